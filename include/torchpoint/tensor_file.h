@@ -1,0 +1,58 @@
+// Container files: named tensors plus JSON state in one safetensors-compatible file.
+//
+// The file is readable by any safetensors reader (Python's `safetensors`, Hugging Face tools);
+// torchpoint adds an XXH3-64 checksum per tensor and one over the header, so every byte of the
+// file is covered. docs/format.md describes the format.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <nlohmann/json.hpp>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "torchpoint/env.h"
+
+namespace torchpoint {
+
+// Tensors by name, in the caller's order (kept across a save and load).
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+// What one container file holds.
+struct Container {
+  NamedTensors tensors;
+  // Non-tensor state. Numbers round-trip exactly, except NaN and infinities, which JSON cannot
+  // hold: keep those in tensors.
+  nlohmann::json state = nlohmann::json::object();
+};
+
+// Atomically writes `contents` to `path`: a temporary sibling is written, fsynced and renamed
+// over `path`, then the directory is fsynced. Tensors are written contiguous, on the CPU.
+// On failure `path` keeps its previous contents (or stays absent) and no temporary remains.
+// Throws Unsupported for a dtype safetensors cannot hold, InvalidArgument for an empty,
+// duplicate or non-UTF-8 tensor name.
+//
+// Example:
+//   torchpoint::save_file("weights.safetensors", {{{"w", torch::ones({2, 2})}}, {{"step", 7}}});
+void save_file(const std::string& path, const Container& contents, Env& env = Env::posix());
+
+// Reads, validates and checksums a whole container file. The returned tensors share one
+// copy-on-write mapping of the file (no copy is made); they stay valid after the file is
+// deleted. Throws NotFound, Corruption (naming the file and, for data, the tensor) or
+// Incompatible (a newer major format version). Nothing is returned unless every check passed.
+Container load_file(const std::string& path, Env& env = Env::posix());
+
+// Every problem found in a file or directory checkpoint, not only the first.
+struct VerifyReport {
+  std::string path;
+  std::vector<std::string> problems;
+  bool ok() const { return problems.empty(); }
+};
+
+// Checks every structural rule and checksum of a container file or a directory checkpoint.
+// Never throws for bad contents; they become problems.
+VerifyReport verify(const std::string& path, Env& env = Env::posix());
+
+}  // namespace torchpoint

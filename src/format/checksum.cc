@@ -1,0 +1,46 @@
+#include "format/checksum.h"
+
+#include <xxh_x86dispatch.h>
+
+#include <fmt/format.h>
+
+namespace torchpoint {
+
+std::uint64_t xxh3(const void* data, std::size_t size) { return XXH3_64bits_dispatch(data, size); }
+
+struct Xxh3Stream::State {
+  XXH3_state_t* s = XXH3_createState();
+  ~State() { XXH3_freeState(s); }
+};
+
+Xxh3Stream::Xxh3Stream() : state_(std::make_unique<State>()) { XXH3_64bits_reset(state_->s); }
+Xxh3Stream::~Xxh3Stream() = default;
+Xxh3Stream::Xxh3Stream(Xxh3Stream&&) noexcept = default;
+Xxh3Stream& Xxh3Stream::operator=(Xxh3Stream&&) noexcept = default;
+
+void Xxh3Stream::update(const void* data, std::size_t size) {
+  XXH3_64bits_update_dispatch(state_->s, data, size);
+}
+
+std::uint64_t Xxh3Stream::digest() const { return XXH3_64bits_digest(state_->s); }
+
+std::string checksum_hex(std::uint64_t value) { return fmt::format("{:016x}", value); }
+
+std::optional<std::uint64_t> parse_checksum_hex(std::string_view text) {
+  if (text.size() != kChecksumHexLength) return std::nullopt;
+  std::uint64_t value = 0;
+  for (char c : text) {
+    int digit;
+    if (c >= '0' && c <= '9') {
+      digit = c - '0';
+    } else if (c >= 'a' && c <= 'f') {
+      digit = c - 'a' + 10;
+    } else {
+      return std::nullopt;
+    }
+    value = (value << 4) | static_cast<std::uint64_t>(digit);
+  }
+  return value;
+}
+
+}  // namespace torchpoint

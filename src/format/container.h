@@ -1,0 +1,84 @@
+// The container file layout (docs/format.md), shared by the writer and the reader.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "format/dtype.h"
+#include "torchpoint/error.h"
+#include "torchpoint/env.h"
+#include "torchpoint/tensor_file.h"
+
+namespace torchpoint {
+
+inline constexpr std::string_view kFormatName = "torchpoint";
+inline constexpr int kFormatMajor = 1;
+inline constexpr int kFormatMinor = 0;
+// The same bound as the safetensors reference implementation.
+inline constexpr std::uint64_t kMaxHeaderSize = 100'000'000;
+// Keys inside "__metadata__".
+inline constexpr std::string_view kMetadataKey = "__metadata__";
+inline constexpr std::string_view kTorchpointKey = "torchpoint";
+inline constexpr std::string_view kHeaderChecksumKey = "torchpoint_header_xxh3";
+
+struct TensorEntry {
+  std::string name;
+  DtypeInfo dtype;
+  std::vector<std::int64_t> shape;
+  std::uint64_t begin = 0;  // relative to the first data byte
+  std::uint64_t end = 0;
+  std::uint64_t checksum = 0;
+};
+
+struct ContainerHeader {
+  std::uint64_t data_start = 0;          // 8 + header length
+  std::vector<TensorEntry> entries;      // in data order
+  std::vector<std::size_t> caller_order; // indexes into entries, in the writer's order
+  nlohmann::json state = nlohmann::json::object();
+  std::uint64_t header_checksum = 0;
+  int version_major = 0;
+  int version_minor = 0;
+};
+
+// Where validation problems go: thrown at once as Corruption, or collected (verify).
+class Problems {
+ public:
+  explicit Problems(std::vector<std::string>* sink = nullptr) : sink_(sink) {}
+  // Throws Error(code) unless collecting.
+  void add(std::string message, ErrorCode code = ErrorCode::Corruption);
+  bool collecting() const { return sink_ != nullptr; }
+  bool any() const { return count_ > 0; }
+
+ private:
+  std::vector<std::string>* sink_;
+  std::size_t count_ = 0;
+};
+
+struct WrittenFile {
+  std::uint64_t size = 0;
+  std::uint64_t header_checksum = 0;
+};
+
+// Writes `contents` into a new file at `path` (created exclusively), fsyncs and closes it.
+// Large files bypass the page cache (O_DIRECT) where the file system allows it.
+WrittenFile write_container(Env& env, const std::string& path, const Container& contents);
+
+// Parses and validates the header of a container of `file_size` bytes whose first bytes are
+// `prefix` (at least 8 + header length of them). Every rule that does not need the data is
+// checked. With a throwing Problems the first problem throws; a collecting one returns what
+// could be parsed.
+ContainerHeader parse_container_header(std::string_view prefix, std::uint64_t file_size,
+                                       const std::string& path, Problems& problems);
+
+// load_file(), also returning the header checksum (which the manifest records).
+Container load_container(Env& env, const std::string& path, std::uint64_t* header_checksum);
+
+// Reads and parses the header of an open file.
+ContainerHeader read_container_header(File& file, const std::string& path, Problems& problems);
+
+}  // namespace torchpoint

@@ -1,0 +1,390 @@
+// Reads container files as hostile input: every length, offset, shape and dtype is checked
+// before it is used, and no allocation is sized by a number that was not checked first.
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <unordered_map>
+#include <unordered_set>
+
+#include <fmt/format.h>
+
+#include "format/checksum.h"
+#include "format/container.h"
+#include "io/filename.h"
+#include "torchpoint/error.h"
+
+namespace torchpoint {
+
+void Problems::add(std::string message, ErrorCode code) {
+  ++count_;
+  if (sink_ == nullptr) throw Error(code, message);
+  sink_->push_back(std::move(message));
+}
+
+namespace {
+
+using ojson = nlohmann::ordered_json;
+
+// numel * element size, or nullopt on overflow or a negative dimension.
+std::optional<std::uint64_t> byte_size(const std::vector<std::int64_t>& shape,
+                                       std::size_t element_size) {
+  std::uint64_t total = element_size;
+  for (std::int64_t d : shape) {
+    if (d < 0) return std::nullopt;
+    auto u = static_cast<std::uint64_t>(d);
+    if (u != 0 && total > std::numeric_limits<std::uint64_t>::max() / u) return std::nullopt;
+    total *= u;
+  }
+  return total;
+}
+
+std::optional<std::uint64_t> as_u64(const ojson& v) {
+  if (v.is_number_unsigned()) return v.get<std::uint64_t>();
+  if (v.is_number_integer() && v.get<std::int64_t>() >= 0) return v.get<std::uint64_t>();
+  return std::nullopt;
+}
+
+// Parses one tensor entry; returns false (after reporting) when it is unusable.
+bool parse_entry(const std::string& name, const ojson& value, const std::string& path,
+                 Problems& problems, TensorEntry* out) {
+  auto bad = [&](const std::string& why) {
+    problems.add(fmt::format("{}: tensor '{}': {}", path, name, why));
+    return false;
+  };
+  if (!value.is_object()) return bad("header entry is not an object");
+  auto dtype_it = value.find("dtype");
+  auto shape_it = value.find("shape");
+  auto offsets_it = value.find("data_offsets");
+  if (dtype_it == value.end() || !dtype_it->is_string()) return bad("missing or non-string dtype");
+  if (shape_it == value.end() || !shape_it->is_array()) return bad("missing or non-array shape");
+  if (offsets_it == value.end() || !offsets_it->is_array() || offsets_it->size() != 2) {
+    return bad("data_offsets must be an array of two integers");
+  }
+  bool unsupported = false;
+  std::string dtype_name = dtype_it->get<std::string>();
+  auto dtype = dtype_from_name(dtype_name, &unsupported);
+  if (!dtype) {
+    if (unsupported) {
+      problems.add(fmt::format("{}: tensor '{}' has dtype {}, which LibTorch 1.13 cannot hold",
+                               path, name, dtype_name),
+                   ErrorCode::Unsupported);
+      return false;
+    }
+    return bad(fmt::format("unknown dtype '{}'", dtype_name));
+  }
+  if (shape_it->size() > 64) return bad(fmt::format("{} dimensions is too many", shape_it->size()));
+  std::vector<std::int64_t> shape;
+  for (const ojson& d : *shape_it) {
+    auto u = as_u64(d);
+    if (!u || *u > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())) {
+      return bad(fmt::format("shape {} has an invalid dimension", shape_it->dump()));
+    }
+    shape.push_back(static_cast<std::int64_t>(*u));
+  }
+  auto begin = as_u64((*offsets_it)[0]);
+  auto end = as_u64((*offsets_it)[1]);
+  if (!begin || !end || *begin > *end) {
+    return bad(fmt::format("invalid data_offsets {}", offsets_it->dump()));
+  }
+  auto bytes = byte_size(shape, dtype->size);
+  if (!bytes || *bytes != *end - *begin) {
+    return bad(fmt::format("shape {} of {} needs {} bytes but data_offsets {} span {}",
+                           shape_it->dump(), dtype_name,
+                           bytes ? std::to_string(*bytes) : std::string("too many"),
+                           offsets_it->dump(), *end - *begin));
+  }
+  *out = TensorEntry{name, *dtype, std::move(shape), *begin, *end, 0};
+  return true;
+}
+
+// Checks the torchpoint metadata string and fills version, checksums, order and state.
+void parse_torchpoint_metadata(const ojson& metadata, const std::string& path,
+                               Problems& problems, ContainerHeader* header) {
+  auto it = metadata.find(std::string(kTorchpointKey));
+  if (it == metadata.end() || !it->is_string()) {
+    problems.add(fmt::format("{}: no torchpoint metadata in the header: not a torchpoint file "
+                             "(a plain safetensors file has no checksums to verify)",
+                             path));
+    return;
+  }
+  ojson meta;
+  try {
+    meta = ojson::parse(it->get<std::string>());
+  } catch (const ojson::exception& e) {
+    problems.add(fmt::format("{}: torchpoint metadata is not valid JSON ({})", path, e.what()));
+    return;
+  }
+  if (!meta.is_object() || meta.value("format", "") != kFormatName) {
+    problems.add(fmt::format("{}: torchpoint metadata has no \"format\": \"torchpoint\"", path));
+    return;
+  }
+  std::string version = meta.value("format_version", "");
+  int major = 0, minor = 0;
+  if (std::sscanf(version.c_str(), "%d.%d", &major, &minor) != 2 || major < 1) {
+    problems.add(fmt::format("{}: invalid format_version '{}'", path, version));
+    return;
+  }
+  header->version_major = major;
+  header->version_minor = minor;
+  if (major > kFormatMajor) {
+    problems.add(fmt::format("{} is in torchpoint format version {}, but this build reads "
+                             "versions up to {}.{}: upgrade torchpoint to load it",
+                             path, version, kFormatMajor, kFormatMinor),
+                 ErrorCode::Incompatible);
+    return;
+  }
+  auto state = meta.find("state");
+  if (state == meta.end() || !state->is_object()) {
+    problems.add(fmt::format("{}: torchpoint metadata has no \"state\" object", path));
+  } else {
+    header->state = nlohmann::json::parse(state->dump());
+  }
+  auto tensors = meta.find("tensors");
+  if (tensors == meta.end() || !tensors->is_object()) {
+    problems.add(fmt::format("{}: torchpoint metadata has no \"tensors\" checksums", path));
+    return;
+  }
+  std::unordered_map<std::string_view, std::size_t> index;
+  for (std::size_t i = 0; i < header->entries.size(); ++i) index[header->entries[i].name] = i;
+  std::unordered_set<std::size_t> listed;
+  for (const auto& [name, value] : tensors->items()) {
+    auto found = index.find(name);
+    if (found == index.end()) {
+      problems.add(fmt::format("{}: tensor '{}' has a checksum but no header entry", path, name));
+      continue;
+    }
+    auto sum = value.is_string() ? parse_checksum_hex(value.get<std::string>()) : std::nullopt;
+    if (!sum) {
+      problems.add(fmt::format("{}: tensor '{}' has a malformed checksum", path, name));
+      continue;
+    }
+    header->entries[found->second].checksum = *sum;
+    header->caller_order.push_back(found->second);
+    listed.insert(found->second);
+  }
+  for (std::size_t i = 0; i < header->entries.size(); ++i) {
+    if (!listed.count(i)) {
+      problems.add(fmt::format("{}: tensor '{}' has no checksum", path, header->entries[i].name));
+    }
+  }
+}
+
+}  // namespace
+
+ContainerHeader parse_container_header(std::string_view prefix, std::uint64_t file_size,
+                                       const std::string& path, Problems& problems) {
+  ContainerHeader header;
+  if (file_size < 8 || prefix.size() < 8) {
+    problems.add(fmt::format("{} is {} bytes long, too short for a container header (8 bytes "
+                             "at least): the file is truncated or not a checkpoint file",
+                             path, file_size));
+    return header;
+  }
+  std::uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<std::uint8_t>(prefix[i]);
+  if (n > kMaxHeaderSize || n > file_size - 8) {
+    problems.add(fmt::format("{}: header length {} exceeds {} (file size {}): the file is "
+                             "truncated or not a container",
+                             path, n, std::min<std::uint64_t>(kMaxHeaderSize, file_size - 8),
+                             file_size));
+    return header;
+  }
+  if (prefix.size() < 8 + n) {
+    problems.add(fmt::format("{}: only {} header bytes available of {}", path, prefix.size(), n));
+    return header;
+  }
+  header.data_start = 8 + n;
+  std::string_view text = prefix.substr(8, n);
+
+  // The header checksum: the last key, at a fixed place before the space padding.
+  std::size_t last = text.find_last_not_of(' ');
+  std::string key = fmt::format("\"{}\":\"", kHeaderChecksumKey);
+  std::size_t tail = key.size() + kChecksumHexLength + 3;  // digits, then "}}
+  bool header_ok = true;
+  if (last == std::string_view::npos || last + 1 < tail ||
+      text.substr(last + 1 - tail, key.size()) != key ||
+      text.substr(last - 2, 3) != "\"}}") {
+    problems.add(fmt::format("{}: the header does not end with its checksum: not a torchpoint "
+                             "file, or its header is damaged",
+                             path));
+    header_ok = false;
+  } else {
+    std::size_t digits_at = last + 1 - tail + key.size();
+    auto claimed = parse_checksum_hex(text.substr(digits_at, kChecksumHexLength));
+    std::string copy(prefix.substr(0, 8 + n));
+    std::memset(copy.data() + 8 + digits_at, '0', kChecksumHexLength);
+    std::uint64_t actual = xxh3(copy.data(), copy.size());
+    if (!claimed || *claimed != actual) {
+      problems.add(fmt::format("{}: header checksum mismatch (stored {}, computed {}): the "
+                               "header is corrupt",
+                               path, text.substr(digits_at, kChecksumHexLength),
+                               checksum_hex(actual)));
+      header_ok = false;
+    } else {
+      header.header_checksum = actual;
+    }
+  }
+  if (!header_ok && !problems.collecting()) return header;
+
+  ojson root;
+  try {
+    root = ojson::parse(text);
+  } catch (const ojson::exception& e) {
+    problems.add(fmt::format("{}: header is not valid JSON ({})", path, e.what()));
+    return header;
+  }
+  if (!root.is_object()) {
+    problems.add(fmt::format("{}: header is not a JSON object", path));
+    return header;
+  }
+  const ojson* metadata = nullptr;
+  for (const auto& [name, value] : root.items()) {
+    if (name == kMetadataKey) {
+      if (!value.is_object()) {
+        problems.add(fmt::format("{}: __metadata__ is not an object", path));
+      } else {
+        metadata = &value;
+      }
+      continue;
+    }
+    TensorEntry entry;
+    if (parse_entry(name, value, path, problems, &entry)) header.entries.push_back(std::move(entry));
+  }
+
+  // The data must tile [0, data size) exactly: no holes, no overlap, nothing after it.
+  std::uint64_t data_size = file_size - header.data_start;
+  std::vector<std::size_t> by_offset(header.entries.size());
+  std::iota(by_offset.begin(), by_offset.end(), 0);
+  std::sort(by_offset.begin(), by_offset.end(), [&](std::size_t a, std::size_t b) {
+    const auto& ea = header.entries[a];
+    const auto& eb = header.entries[b];
+    return ea.begin != eb.begin ? ea.begin < eb.begin : ea.end < eb.end;
+  });
+  std::uint64_t expected = 0;
+  for (std::size_t i : by_offset) {
+    const TensorEntry& e = header.entries[i];
+    if (e.begin != expected) {
+      problems.add(fmt::format("{}: tensor '{}' starts at data offset {} but the previous "
+                               "tensor ends at {} ({})",
+                               path, e.name, e.begin, expected,
+                               e.begin > expected ? "a hole" : "an overlap"));
+    }
+    expected = std::max(expected, e.end);
+  }
+  if (expected != data_size) {
+    problems.add(fmt::format("{}: the tensors cover {} data bytes but the file holds {}: the "
+                             "file is {}",
+                             path, expected, data_size,
+                             expected > data_size ? "truncated" : "longer than its header says"));
+  }
+  std::vector<TensorEntry> ordered;
+  ordered.reserve(by_offset.size());
+  for (std::size_t i : by_offset) ordered.push_back(std::move(header.entries[i]));
+  header.entries = std::move(ordered);
+
+  if (metadata == nullptr) {
+    problems.add(fmt::format("{}: the header has no __metadata__: not a torchpoint file", path));
+    return header;
+  }
+  parse_torchpoint_metadata(*metadata, path, problems, &header);
+  return header;
+}
+
+ContainerHeader read_container_header(File& file, const std::string& path, Problems& problems) {
+  std::uint64_t file_size = file.size();
+  std::string prefix(std::min<std::uint64_t>(file_size, 8), '\0');
+  file.read_exact(prefix.data(), prefix.size(), 0);
+  if (prefix.size() == 8) {
+    std::uint64_t n = 0;
+    for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<std::uint8_t>(prefix[i]);
+    // Only a length already known to fit in the file and under the bound sizes the buffer.
+    if (n <= kMaxHeaderSize && n <= file_size - 8) {
+      prefix.resize(8 + n);
+      file.read_exact(prefix.data() + 8, n, 8);
+    }
+  }
+  return parse_container_header(prefix, file_size, path, problems);
+}
+
+namespace {
+
+// Verifies the data checksums of a mapped container; reports every mismatch.
+void check_data(const ContainerHeader& header, const MappedRegion& region, const std::string& path,
+                Problems& problems) {
+  const std::uint8_t* data = region.data() + header.data_start;
+  for (const TensorEntry& e : header.entries) {
+    std::uint64_t actual = xxh3(data + e.begin, e.end - e.begin);
+    if (actual != e.checksum) {
+      problems.add(fmt::format("{}: tensor '{}' fails its checksum (stored {}, computed {}): its "
+                               "data is corrupt",
+                               path, e.name, checksum_hex(e.checksum), checksum_hex(actual)));
+    }
+  }
+}
+
+}  // namespace
+
+Container load_file(const std::string& path, Env& env) { return load_container(env, path, nullptr); }
+
+Container load_container(Env& env, const std::string& path, std::uint64_t* header_checksum) {
+  std::unique_ptr<File> file = env.open(path, OpenMode::Read);
+  Problems throwing;
+  ContainerHeader header = read_container_header(*file, path, throwing);
+  if (header_checksum != nullptr) *header_checksum = header.header_checksum;
+  std::shared_ptr<MappedRegion> region = file->map();
+  // The mapping is of the file as it is now; a size change since the header was read means a
+  // concurrent writer, which the commit protocol rules out for committed files.
+  if (region->size() != header.data_start + (header.entries.empty() ? 0 : header.entries.back().end)) {
+    throw Error(ErrorCode::Corruption, fmt::format("{} changed size while being read", path));
+  }
+  check_data(header, *region, path, throwing);
+
+  Container out;
+  out.state = std::move(header.state);
+  out.tensors.reserve(header.entries.size());
+  for (std::size_t i : header.caller_order) {
+    const TensorEntry& e = header.entries[i];
+    auto* ptr = const_cast<std::uint8_t*>(region->data() + header.data_start + e.begin);
+    auto options = at::TensorOptions().dtype(e.dtype.type);
+    at::Tensor t;
+    if (reinterpret_cast<std::uintptr_t>(ptr) % e.dtype.size == 0) {
+      // Zero copy: the tensor keeps the mapping alive.
+      t = at::from_blob(ptr, e.shape, [region](void*) {}, options);
+    } else {
+      t = at::empty(e.shape, options);
+      std::memcpy(t.data_ptr(), ptr, e.end - e.begin);
+    }
+    out.tensors.emplace_back(e.name, std::move(t));
+  }
+  return out;
+}
+
+// Implemented here for files; directory checkpoints are checked in directory.cc.
+VerifyReport verify_directory(const std::string& path, Env& env);
+
+VerifyReport verify(const std::string& path, Env& env) {
+  VerifyReport report{path, {}};
+  try {
+    FileInfo info = env.stat(path);
+    if (!info.exists) {
+      report.problems.push_back(fmt::format("{} does not exist", path));
+      return report;
+    }
+    if (info.is_directory) return verify_directory(path, env);
+    std::unique_ptr<File> file = env.open(path, OpenMode::Read);
+    Problems collect(&report.problems);
+    ContainerHeader header = read_container_header(*file, path, collect);
+    if (collect.any()) return report;
+    std::shared_ptr<MappedRegion> region = file->map();
+    check_data(header, *region, path, collect);
+  } catch (const Error& e) {
+    report.problems.push_back(e.what());
+  }
+  return report;
+}
+
+}  // namespace torchpoint

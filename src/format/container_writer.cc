@@ -1,0 +1,340 @@
+// Writes container files at close to raw disk speed: tensor bytes are gathered into aligned
+// chunks and hashed while still in cache, and a second thread writes full chunks (with
+// O_DIRECT for large files) while the next one fills. The header, whose checksums are known
+// only at the end, has a fixed length and is written last at offset 0.
+#include <ATen/ops/empty.h>
+#include <c10/core/DeviceType.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <unordered_set>
+
+#include <fmt/format.h>
+
+#include "format/checksum.h"
+#include "format/container.h"
+#include "torchpoint/error.h"
+
+#ifndef TORCHPOINT_VERSION
+#define TORCHPOINT_VERSION "0.0.0"
+#endif
+
+namespace torchpoint {
+namespace {
+
+constexpr std::size_t kChunkSize = 8u << 20;     // bytes per write call
+constexpr std::size_t kChunkCount = 3;           // one filling, up to two being written
+constexpr std::size_t kHashPiece = 256u << 10;   // copy then hash this much while it is in cache
+constexpr std::size_t kDirectAlign = 4096;       // O_DIRECT offset, size and buffer alignment
+constexpr std::uint64_t kDirectMinBytes = 1u << 20;
+
+std::uint64_t round_up(std::uint64_t value, std::uint64_t to) { return (value + to - 1) / to * to; }
+
+struct AlignedFree {
+  void operator()(std::uint8_t* p) const { std::free(p); }
+};
+using AlignedBuffer = std::unique_ptr<std::uint8_t, AlignedFree>;
+
+AlignedBuffer allocate_aligned(std::size_t size) {
+  void* p = std::aligned_alloc(kDirectAlign, round_up(std::max<std::size_t>(size, 1), kDirectAlign));
+  if (p == nullptr) throw std::bad_alloc();
+  return AlignedBuffer(static_cast<std::uint8_t*>(p));
+}
+
+struct PlannedTensor {
+  const std::string* name;
+  at::Tensor tensor;  // contiguous, on the CPU
+  const DtypeInfo* dtype;
+  std::uint64_t begin = 0;
+  std::uint64_t end = 0;
+  std::uint64_t checksum = 0;
+};
+
+std::string json_string(const std::string& text, std::string_view what) {
+  try {
+    return nlohmann::json(text).dump();
+  } catch (const nlohmann::json::exception&) {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("{} '{}' is not valid UTF-8; use UTF-8 names", what, text));
+  }
+}
+
+// Tensors in data order: descending element size (so every tensor is naturally aligned when
+// the data starts 8-byte aligned), the caller's order among equal sizes.
+std::vector<PlannedTensor> plan(const Container& contents) {
+  std::vector<PlannedTensor> planned;
+  planned.reserve(contents.tensors.size());
+  std::unordered_set<std::string_view> seen;
+  for (const auto& [name, tensor] : contents.tensors) {
+    if (name.empty() || name == kMetadataKey) {
+      throw Error(ErrorCode::InvalidArgument,
+                  fmt::format("tensor name '{}' is reserved or empty; rename the tensor", name));
+    }
+    if (!seen.insert(name).second) {
+      throw Error(ErrorCode::InvalidArgument,
+                  fmt::format("tensor name '{}' appears twice; names in one file must be unique",
+                              name));
+    }
+    if (!tensor.defined()) {
+      throw Error(ErrorCode::InvalidArgument,
+                  fmt::format("tensor '{}' is undefined; pass a tensor or leave it out", name));
+    }
+    const DtypeInfo& dtype = dtype_info(tensor.scalar_type(), name);
+    at::Tensor cpu = tensor.device().is_cpu() ? tensor : tensor.to(c10::kCPU);
+    planned.push_back({&name, cpu.contiguous(), &dtype});
+  }
+  std::stable_sort(planned.begin(), planned.end(), [](const auto& a, const auto& b) {
+    return a.dtype->size > b.dtype->size;
+  });
+  std::uint64_t offset = 0;
+  for (PlannedTensor& p : planned) {
+    p.begin = offset;
+    offset += static_cast<std::uint64_t>(p.tensor.numel()) * p.dtype->size;
+    p.end = offset;
+  }
+  return planned;
+}
+
+// The header text, padded so that 8 + its length is a multiple of `align`.
+std::string build_header(const Container& contents, const std::vector<PlannedTensor>& planned,
+                         std::size_t align) {
+  std::string header = "{";
+  for (const PlannedTensor& p : planned) {
+    header += json_string(*p.name, "tensor name");
+    header += fmt::format(":{{\"dtype\":\"{}\",\"shape\":[{}],\"data_offsets\":[{},{}]}},",
+                          p.dtype->name, fmt::join(p.tensor.sizes(), ","), p.begin, p.end);
+  }
+  // Checksums keyed by name in the caller's order, which is how the reader recovers that order.
+  nlohmann::ordered_json checksums = nlohmann::ordered_json::object();
+  for (const auto& [name, tensor] : contents.tensors) checksums[name] = "";
+  for (const PlannedTensor& p : planned) checksums[*p.name] = checksum_hex(p.checksum);
+  nlohmann::ordered_json meta = {
+      {"format", kFormatName},
+      {"format_version", fmt::format("{}.{}", kFormatMajor, kFormatMinor)},
+      {"torchpoint_version", TORCHPOINT_VERSION},
+      {"tensors", std::move(checksums)},
+      {"state", contents.state},
+  };
+  std::string meta_text;
+  try {
+    meta_text = meta.dump();
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("the JSON state cannot be written: {}; use UTF-8 strings", e.what()));
+  }
+  header += fmt::format("\"{}\":{{\"{}\":{},\"{}\":\"{}\"}}}}", kMetadataKey, kTorchpointKey,
+                        nlohmann::json(meta_text).dump(), kHeaderChecksumKey,
+                        std::string(kChecksumHexLength, '0'));
+  std::uint64_t padded = round_up(8 + header.size(), align) - 8;
+  header.resize(padded, ' ');
+  return header;
+}
+
+// Writes full chunks on a second thread while the caller fills the next one.
+class ChunkPipeline {
+ public:
+  ChunkPipeline(File& file, bool threaded) : file_(file), threaded_(threaded) {
+    for (std::size_t i = 0; i < (threaded ? kChunkCount : 1); ++i) {
+      free_.push_back(allocate_aligned(kChunkSize));
+    }
+    if (threaded_) worker_ = std::thread([this] { run(); });
+  }
+
+  ~ChunkPipeline() {
+    if (worker_.joinable()) {
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        stop_ = true;
+      }
+      cv_.notify_all();
+      worker_.join();
+    }
+  }
+
+  AlignedBuffer acquire() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [this] { return !free_.empty() || error_; });
+    rethrow_locked();
+    AlignedBuffer b = std::move(free_.front());
+    free_.pop_front();
+    return b;
+  }
+
+  void submit(AlignedBuffer buffer, std::size_t size, std::uint64_t offset) {
+    if (!threaded_) {
+      file_.write_all(buffer.get(), size, offset);
+      free_.push_back(std::move(buffer));
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      rethrow_locked();
+      pending_.push_back({std::move(buffer), size, offset});
+    }
+    cv_.notify_all();
+  }
+
+  // Waits until every submitted chunk is written; rethrows the first write error.
+  void finish() {
+    if (!threaded_) return;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    worker_.join();
+    rethrow_locked();
+  }
+
+ private:
+  struct Job {
+    AlignedBuffer buffer;
+    std::size_t size;
+    std::uint64_t offset;
+  };
+
+  void rethrow_locked() {
+    if (error_) std::rethrow_exception(error_);
+  }
+
+  void run() {
+    for (;;) {
+      Job job;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        cv_.wait(lock, [this] { return !pending_.empty() || stop_; });
+        if (pending_.empty() || error_) return;
+        job = std::move(pending_.front());
+        pending_.pop_front();
+      }
+      try {
+        file_.write_all(job.buffer.get(), job.size, job.offset);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        error_ = std::current_exception();
+        cv_.notify_all();
+        return;
+      }
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        free_.push_back(std::move(job.buffer));
+      }
+      cv_.notify_all();
+    }
+  }
+
+  File& file_;
+  bool threaded_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<AlignedBuffer> free_;
+  std::deque<Job> pending_;
+  std::exception_ptr error_;
+  bool stop_ = false;
+  std::thread worker_;
+};
+
+// Streams every tensor's bytes into the file from `data_start` on, computing the checksums.
+// Returns the number of bytes written past the end of the data (O_DIRECT padding).
+std::uint64_t write_data(File& file, std::vector<PlannedTensor>& planned, std::uint64_t data_start,
+                         std::uint64_t data_size) {
+  ChunkPipeline pipeline(file, /*threaded=*/data_size > kChunkSize);
+  AlignedBuffer chunk;
+  std::size_t used = 0;
+  std::uint64_t chunk_offset = data_start;
+  auto flush = [&](bool last) {
+    std::size_t size = used;
+    if (last && file.direct()) {
+      std::size_t padded = round_up(used, kDirectAlign);
+      std::memset(chunk.get() + used, 0, padded - used);
+      size = padded;
+    }
+    if (size > 0) pipeline.submit(std::move(chunk), size, chunk_offset);
+    chunk_offset += used;
+    used = 0;
+  };
+  for (PlannedTensor& p : planned) {
+    const auto* src = static_cast<const std::uint8_t*>(p.tensor.data_ptr());
+    std::uint64_t remaining = p.end - p.begin;
+    Xxh3Stream stream;
+    bool whole = true;  // the tensor went into the file in one piece: hash it in one call
+    std::uint64_t hashed_whole = 0;
+    while (remaining > 0) {
+      if (!chunk) chunk = pipeline.acquire();
+      std::size_t piece = static_cast<std::size_t>(
+          std::min<std::uint64_t>({remaining, kChunkSize - used, kHashPiece}));
+      std::uint8_t* dst = chunk.get() + used;
+      std::memcpy(dst, src, piece);
+      if (whole && piece == remaining && remaining == p.end - p.begin) {
+        hashed_whole = xxh3(dst, piece);
+      } else {
+        whole = false;
+        stream.update(dst, piece);
+      }
+      src += piece;
+      remaining -= piece;
+      used += piece;
+      if (used == kChunkSize) flush(false);
+    }
+    p.checksum = (whole && p.end > p.begin) ? hashed_whole : stream.digest();
+  }
+  if (chunk) flush(true);
+  pipeline.finish();
+  return file.direct() ? round_up(data_size, kDirectAlign) - data_size : 0;
+}
+
+}  // namespace
+
+WrittenFile write_container(Env& env, const std::string& path, const Container& contents) {
+  std::vector<PlannedTensor> planned = plan(contents);
+  std::uint64_t data_size = planned.empty() ? 0 : planned.back().end;
+
+  std::unique_ptr<File> file;
+  if (data_size >= kDirectMinBytes) {
+    try {
+      file = env.open(path, OpenMode::CreateExclusiveDirect);
+    } catch (const Error& e) {
+      // The file system refuses O_DIRECT (tmpfs, some FUSE): buffered I/O is as safe, only slower.
+      if (e.code() != ErrorCode::Unsupported) throw;
+    }
+  }
+  if (!file) file = env.open(path, OpenMode::CreateExclusive);
+  std::size_t align = file->direct() ? kDirectAlign : 8;
+
+  // The header's length does not depend on the checksums (fixed-width hex), so the data can be
+  // written first, at its final offset, and the header once the checksums are known.
+  std::uint64_t data_start = 8 + build_header(contents, planned, align).size();
+  std::uint64_t padding = write_data(*file, planned, data_start, data_size);
+
+  std::string header = build_header(contents, planned, align);
+  if (8 + header.size() != data_start) {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("header of {} changed length while writing (internal error)", path));
+  }
+  AlignedBuffer head = allocate_aligned(data_start);
+  std::uint64_t header_len = header.size();
+  for (int i = 0; i < 8; ++i) head.get()[i] = static_cast<std::uint8_t>(header_len >> (8 * i));
+  std::memcpy(head.get() + 8, header.data(), header.size());
+  // The header checksum is computed with its own 16 digits still '0', then filled in.
+  std::uint64_t header_checksum = xxh3(head.get(), data_start);
+  std::string hex = checksum_hex(header_checksum);
+  std::string_view text(reinterpret_cast<const char*>(head.get()), data_start);
+  std::size_t at = text.rfind(fmt::format("\"{}\":\"", kHeaderChecksumKey));
+  std::memcpy(head.get() + at + kHeaderChecksumKey.size() + 4, hex.data(), hex.size());
+  file->write_all(head.get(), data_start, 0);
+
+  std::uint64_t file_size = data_start + data_size;
+  // O_DIRECT wrote whole blocks; cut the zero padding so the data ends the file.
+  if (padding > 0) file->truncate(file_size);
+  file->sync();
+  file->close();
+  return {file_size, header_checksum};
+}
+
+}  // namespace torchpoint

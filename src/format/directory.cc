@@ -1,0 +1,216 @@
+// save_file, save_directory, load_directory and the directory half of verify.
+#include <chrono>
+#include <unordered_set>
+
+#include <fmt/format.h>
+
+#include "format/container.h"
+#include "format/manifest.h"
+#include "io/atomic_commit.h"
+#include "io/filename.h"
+#include "torchpoint/checkpoint_dir.h"
+#include "torchpoint/error.h"
+
+namespace torchpoint {
+
+VerifyReport verify_directory(const std::string& path, Env& env);
+
+namespace {
+
+void check_component_name(const std::string& name) {
+  bool ok = !name.empty() && name.size() <= 200;
+  for (char c : name) {
+    bool allowed = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                   c == '_' || c == '-' || c == '.';
+    ok = ok && allowed;
+  }
+  if (!ok || name == "." || name == ".." || name == "manifest") {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("component name '{}' is not usable as a file name; use letters, "
+                            "digits, '_', '-' and '.'",
+                            name));
+  }
+}
+
+// Creates `dir` and its missing parents, making each new entry durable.
+void make_dirs(Env& env, const std::string& dir) {
+  if (env.stat(dir).exists) return;
+  std::string parent = parent_path(dir);
+  if (parent != dir) make_dirs(env, parent);
+  try {
+    env.mkdir(dir);
+  } catch (const Error&) {
+    if (!env.stat(dir).is_directory) throw;  // someone else created it meanwhile: fine
+    return;
+  }
+  env.sync_dir(parent);
+}
+
+std::string read_manifest_bytes(Env& env, const std::string& manifest_path, Problems& problems) {
+  std::unique_ptr<File> file = env.open(manifest_path, OpenMode::Read);
+  std::uint64_t size = file->size();
+  if (size > kMaxManifestSize) {
+    problems.add(fmt::format("{} is {} bytes, over the {} byte limit for a manifest",
+                             manifest_path, size, kMaxManifestSize));
+    return {};
+  }
+  std::string bytes(size, '\0');
+  file->read_exact(bytes.data(), size, 0);
+  return bytes;
+}
+
+}  // namespace
+
+void save_file(const std::string& path, const Container& contents, Env& env) {
+  PendingFile pending(env, path);
+  write_container(env, pending.temp_path(), contents);
+  pending.commit();
+}
+
+void save_directory(const std::string& path, const std::vector<Component>& components,
+                    const CheckpointInfo& info, Env& env) {
+  std::unordered_set<std::string> names;
+  for (const Component& c : components) {
+    check_component_name(c.name);
+    if (!names.insert(c.name).second) {
+      throw Error(ErrorCode::InvalidArgument,
+                  fmt::format("component '{}' appears twice in the checkpoint {}", c.name, path));
+    }
+  }
+  std::string parent = parent_path(path);
+  make_dirs(env, parent);
+  ProjectLock lock(env, parent);
+  remove_stale_temporaries(env, parent);
+
+  PendingDir pending(env, path);
+  Manifest manifest;
+  manifest.torchpoint_version = torchpoint_version();
+  manifest.libtorch_version = libtorch_version();
+  manifest.created_unix_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                                 std::chrono::system_clock::now().time_since_epoch())
+                                 .count();
+  manifest.info = info;
+  for (const Component& c : components) {
+    std::string file_name = component_file_name(c.name);
+    WrittenFile written = write_container(env, join_path(pending.temp_path(), file_name), c.contents);
+    manifest.files.push_back({file_name, c.name, written.size, written.header_checksum});
+  }
+  // The manifest goes last: a directory holding one lists only files already synced.
+  std::string text = serialize_manifest(manifest);
+  std::unique_ptr<File> file =
+      env.open(join_path(pending.temp_path(), kManifestFileName), OpenMode::CreateExclusive);
+  file->write_all(text.data(), text.size(), 0);
+  file->sync();
+  file->close();
+  pending.commit();
+}
+
+// Opens the manifest of a directory checkpoint with a clear error when it is not one.
+static Manifest load_manifest(Env& env, const std::string& path, Problems& problems) {
+  FileInfo info = env.stat(path);
+  if (!info.exists) {
+    throw Error(ErrorCode::NotFound, fmt::format("checkpoint directory {} does not exist", path));
+  }
+  if (!info.is_directory) {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("{} is a file, not a checkpoint directory; load it with load_file",
+                            path));
+  }
+  std::string manifest_path = join_path(path, kManifestFileName);
+  if (!env.stat(manifest_path).exists) {
+    throw Error(ErrorCode::NotFound,
+                fmt::format("{} has no {}: it is not a torchpoint checkpoint, or its save never "
+                            "committed",
+                            path, kManifestFileName));
+  }
+  std::string bytes = read_manifest_bytes(env, manifest_path, problems);
+  return parse_manifest(bytes, manifest_path, problems);
+}
+
+DirectoryCheckpoint load_directory(const std::string& path, Env& env) {
+  Problems throwing;
+  Manifest manifest = load_manifest(env, path, throwing);
+  DirectoryCheckpoint out;
+  out.info = manifest.info;
+  out.torchpoint_version = manifest.torchpoint_version;
+  out.libtorch_version = manifest.libtorch_version;
+  for (const ManifestFile& f : manifest.files) {
+    std::string file_path = join_path(path, f.name);
+    FileInfo info = env.stat(file_path);
+    if (!info.exists) {
+      throw Error(ErrorCode::Corruption,
+                  fmt::format("{} is listed in the manifest of {} but missing", f.name, path));
+    }
+    if (info.size != f.size) {
+      throw Error(ErrorCode::Corruption,
+                  fmt::format("{} is {} bytes but the manifest of {} says {}: the file was "
+                              "truncated or replaced",
+                              file_path, info.size, path, f.size));
+    }
+    std::uint64_t header_checksum = 0;
+    Container contents = load_container(env, file_path, &header_checksum);
+    if (header_checksum != f.header_checksum) {
+      throw Error(ErrorCode::Corruption,
+                  fmt::format("{} is not the file the manifest of {} lists (header checksum "
+                              "differs): it was replaced",
+                              file_path, path));
+    }
+    out.components.push_back({f.component, std::move(contents)});
+  }
+  return out;
+}
+
+VerifyReport verify_directory(const std::string& path, Env& env) {
+  VerifyReport report{path, {}};
+  Problems collect(&report.problems);
+  Manifest manifest;
+  try {
+    manifest = load_manifest(env, path, collect);
+  } catch (const Error& e) {
+    report.problems.push_back(e.what());
+    return report;
+  }
+  std::unordered_set<std::string> listed;
+  for (const ManifestFile& f : manifest.files) {
+    listed.insert(f.name);
+    std::string file_path = join_path(path, f.name);
+    FileInfo info = env.stat(file_path);
+    if (!info.exists) {
+      report.problems.push_back(fmt::format("{}: listed in the manifest but missing", file_path));
+      continue;
+    }
+    if (info.size != f.size) {
+      report.problems.push_back(fmt::format("{}: {} bytes, the manifest says {}", file_path,
+                                            info.size, f.size));
+    }
+    VerifyReport file_report = verify(file_path, env);
+    for (std::string& p : file_report.problems) report.problems.push_back(std::move(p));
+    if (file_report.ok()) {
+      std::uint64_t header_checksum = 0;
+      try {
+        std::unique_ptr<File> file = env.open(file_path, OpenMode::Read);
+        Problems throwing;
+        header_checksum = read_container_header(*file, file_path, throwing).header_checksum;
+        if (header_checksum != f.header_checksum) {
+          report.problems.push_back(
+              fmt::format("{}: header checksum differs from the manifest's", file_path));
+        }
+      } catch (const Error& e) {
+        report.problems.push_back(e.what());
+      }
+    }
+  }
+  try {
+    for (const std::string& name : env.list_dir(path)) {
+      if (parse_component_file_name(name) && !listed.count(name)) {
+        report.problems.push_back(
+            fmt::format("{}: not listed in the manifest", join_path(path, name)));
+      }
+    }
+  } catch (const Error& e) {
+    report.problems.push_back(e.what());
+  }
+  return report;
+}
+
+}  // namespace torchpoint

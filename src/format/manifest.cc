@@ -1,0 +1,138 @@
+#include "format/manifest.h"
+
+#include <torch/csrc/api/include/torch/version.h>
+
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "format/checksum.h"
+#include "io/filename.h"
+#include "torchpoint/error.h"
+
+#ifndef TORCHPOINT_VERSION
+#define TORCHPOINT_VERSION "0.0.0"
+#endif
+
+namespace torchpoint {
+namespace {
+
+using ojson = nlohmann::ordered_json;
+
+std::string tail_prefix() { return fmt::format(",\n  \"{}\": \"", kManifestChecksumKey); }
+constexpr std::string_view kTailSuffix = "\"\n}\n";
+
+}  // namespace
+
+std::string torchpoint_version() { return TORCHPOINT_VERSION; }
+std::string libtorch_version() {
+  return fmt::format("{}.{}.{}", TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH);
+}
+
+std::string serialize_manifest(const Manifest& m) {
+  ojson files = ojson::object();
+  for (const ManifestFile& f : m.files) {
+    files[f.name] = {{"component", f.component},
+                     {"size", f.size},
+                     {"header_xxh3", checksum_hex(f.header_checksum)}};
+  }
+  ojson body = {
+      {"format", kManifestFormatName},
+      {"format_version", fmt::format("{}.{}", m.version_major, m.version_minor)},
+      {"torchpoint_version", m.torchpoint_version},
+      {"libtorch_version", m.libtorch_version},
+      {"created_unix_ms", m.created_unix_ms},
+      {"step", m.info.step},
+      {"iteration", m.info.iteration},
+      {"metadata", m.info.metadata},
+      {"files", std::move(files)},
+  };
+  std::string text = body.dump(2);  // ends with "\n}"
+  text.resize(text.size() - 2);
+  text += tail_prefix();
+  std::size_t digits_at = text.size();
+  text += std::string(kChecksumHexLength, '0');
+  text += kTailSuffix;
+  std::string hex = checksum_hex(xxh3(text.data(), text.size()));
+  text.replace(digits_at, kChecksumHexLength, hex);
+  return text;
+}
+
+Manifest parse_manifest(std::string_view bytes, const std::string& path, Problems& problems) {
+  Manifest m;
+  std::string prefix = tail_prefix();
+  std::size_t tail = prefix.size() + kChecksumHexLength + kTailSuffix.size();
+  if (bytes.size() < tail || bytes.substr(bytes.size() - tail, prefix.size()) != prefix ||
+      bytes.substr(bytes.size() - kTailSuffix.size()) != kTailSuffix) {
+    problems.add(fmt::format("{}: the manifest does not end with its checksum: it is truncated "
+                             "or damaged",
+                             path));
+    return m;
+  }
+  std::size_t digits_at = bytes.size() - kTailSuffix.size() - kChecksumHexLength;
+  auto claimed = parse_checksum_hex(bytes.substr(digits_at, kChecksumHexLength));
+  std::string copy(bytes);
+  std::memset(copy.data() + digits_at, '0', kChecksumHexLength);
+  std::uint64_t actual = xxh3(copy.data(), copy.size());
+  if (!claimed || *claimed != actual) {
+    problems.add(fmt::format("{}: manifest checksum mismatch (stored {}, computed {}): the "
+                             "manifest is corrupt",
+                             path, bytes.substr(digits_at, kChecksumHexLength),
+                             checksum_hex(actual)));
+    if (!problems.collecting()) return m;
+  }
+  ojson root;
+  try {
+    root = ojson::parse(bytes);
+  } catch (const ojson::exception& e) {
+    problems.add(fmt::format("{}: the manifest is not valid JSON ({})", path, e.what()));
+    return m;
+  }
+  auto bad = [&](const std::string& why) { problems.add(fmt::format("{}: {}", path, why)); };
+  if (!root.is_object() || root.value("format", "") != kManifestFormatName) {
+    bad("not a torchpoint manifest (no \"format\": \"torchpoint-checkpoint\")");
+    return m;
+  }
+  std::string version = root.value("format_version", "");
+  if (std::sscanf(version.c_str(), "%d.%d", &m.version_major, &m.version_minor) != 2 ||
+      m.version_major < 1) {
+    bad(fmt::format("invalid format_version '{}'", version));
+    return m;
+  }
+  if (m.version_major > kFormatMajor) {
+    problems.add(fmt::format("{} is in torchpoint format version {}, but this build reads "
+                             "versions up to {}.{}: upgrade torchpoint to load it",
+                             path, version, kFormatMajor, kFormatMinor),
+                 ErrorCode::Incompatible);
+    return m;
+  }
+  try {
+    m.torchpoint_version = root.value("torchpoint_version", "");
+    m.libtorch_version = root.value("libtorch_version", "");
+    m.created_unix_ms = root.value("created_unix_ms", std::int64_t{0});
+    m.info.step = root.at("step").get<std::int64_t>();
+    m.info.iteration = root.at("iteration").get<std::int64_t>();
+    m.info.metadata = nlohmann::json::parse(root.value("metadata", ojson::object()).dump());
+    const ojson& files = root.at("files");
+    if (!files.is_object()) throw std::runtime_error("\"files\" is not an object");
+    for (const auto& [name, f] : files.items()) {
+      ManifestFile file;
+      file.name = name;
+      file.component = f.at("component").get<std::string>();
+      file.size = f.at("size").get<std::uint64_t>();
+      auto sum = parse_checksum_hex(f.at("header_xxh3").get<std::string>());
+      if (!sum) throw std::runtime_error(fmt::format("malformed header_xxh3 of {}", name));
+      file.header_checksum = *sum;
+      if (name.find('/') != std::string::npos || name == "." || name == ".." ||
+          name != component_file_name(file.component)) {
+        throw std::runtime_error(fmt::format("file name '{}' does not match its component", name));
+      }
+      m.files.push_back(std::move(file));
+    }
+  } catch (const std::exception& e) {
+    bad(fmt::format("malformed manifest: {}", e.what()));
+  }
+  return m;
+}
+
+}  // namespace torchpoint

@@ -1,0 +1,82 @@
+// The commit protocol of DESIGN.md: a checkpoint becomes visible whole or not at all.
+//
+// A file or directory is built under a temporary sibling name, made durable, and renamed into
+// place; the parent directory is then synced so the new name survives a power cut. An object
+// that is destroyed before commit() removes its temporary.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "torchpoint/env.h"
+
+namespace torchpoint {
+
+// A single file committed by rename, replacing any previous version of `final_path`.
+//
+// Example:
+//   PendingFile pending(env, "runs/state.ckpt");
+//   write_and_sync_and_close(pending.temp_path());
+//   pending.commit();
+class PendingFile {
+ public:
+  PendingFile(Env& env, std::string final_path);
+  ~PendingFile();
+  PendingFile(const PendingFile&) = delete;
+  PendingFile& operator=(const PendingFile&) = delete;
+
+  const std::string& temp_path() const { return temp_path_; }
+  const std::string& final_path() const { return final_path_; }
+
+  // The caller has written, synced and closed temp_path(). Renames it over final_path() and
+  // syncs the parent directory. On failure the temporary is removed by the destructor and the
+  // previous version of final_path(), if any, is untouched.
+  void commit();
+
+ private:
+  Env& env_;
+  std::string final_path_;
+  std::string temp_path_;
+  bool committed_ = false;
+};
+
+// A directory committed by a rename that never replaces an existing directory.
+class PendingDir {
+ public:
+  // Creates the temporary directory next to `final_path`. Throws InvalidArgument when
+  // `final_path` already exists: a committed checkpoint is never written into.
+  PendingDir(Env& env, std::string final_path);
+  ~PendingDir();
+  PendingDir(const PendingDir&) = delete;
+  PendingDir& operator=(const PendingDir&) = delete;
+
+  const std::string& temp_path() const { return temp_path_; }
+  const std::string& final_path() const { return final_path_; }
+
+  // Every file in temp_path() is written, synced and closed, the manifest last. Syncs the
+  // directory, renames it to final_path() and syncs the parent.
+  void commit();
+
+ private:
+  Env& env_;
+  std::string final_path_;
+  std::string temp_path_;
+  bool committed_ = false;
+};
+
+// The lock of a project (or checkpoint parent) directory: `<dir>/.lock`, held until
+// destruction. A second holder, in this process or another, gets Error(Locked).
+class ProjectLock {
+ public:
+  ProjectLock(Env& env, const std::string& dir);
+
+ private:
+  std::unique_ptr<FileLock> lock_;
+};
+
+// Removes every temporary left in `dir` by a writer that died (names from temp_name()).
+// Call it only while holding the directory's ProjectLock. Returns the names removed.
+std::vector<std::string> remove_stale_temporaries(Env& env, const std::string& dir);
+
+}  // namespace torchpoint

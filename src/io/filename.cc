@@ -1,0 +1,94 @@
+#include "io/filename.h"
+
+#include <unistd.h>
+
+#include <charconv>
+#include <random>
+
+#include <fmt/format.h>
+
+namespace torchpoint {
+namespace {
+
+constexpr std::string_view kTempMarker = ".tmp-";
+
+bool all_digits(std::string_view s) {
+  if (s.empty()) return false;
+  for (char c : s) {
+    if (c < '0' || c > '9') return false;
+  }
+  return true;
+}
+
+bool all_hex(std::string_view s) {
+  if (s.empty()) return false;
+  for (char c : s) {
+    bool hex = (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
+    if (!hex) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+std::string checkpoint_name(std::uint64_t number) {
+  return fmt::format("{}{}", kCheckpointPrefix, number);
+}
+
+std::optional<std::uint64_t> parse_checkpoint_name(std::string_view name) {
+  if (!name.starts_with(kCheckpointPrefix)) return std::nullopt;
+  std::string_view digits = name.substr(kCheckpointPrefix.size());
+  // One canonical spelling per number, so "checkpoint_07" never shadows "checkpoint_7".
+  if (!all_digits(digits) || (digits.size() > 1 && digits[0] == '0')) return std::nullopt;
+  std::uint64_t value = 0;
+  auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), value);
+  if (ec != std::errc() || end != digits.data() + digits.size()) return std::nullopt;
+  return value;
+}
+
+std::string temp_name(std::string_view final_name) {
+  static thread_local std::mt19937_64 rng(std::random_device{}());
+  return fmt::format("{}{}{}-{:016x}", final_name, kTempMarker, ::getpid(), rng());
+}
+
+bool is_temp_name(std::string_view name) {
+  std::size_t at = name.rfind(kTempMarker);
+  if (at == std::string_view::npos || at == 0) return false;
+  std::string_view rest = name.substr(at + kTempMarker.size());
+  std::size_t dash = rest.find('-');
+  if (dash == std::string_view::npos) return false;
+  return all_digits(rest.substr(0, dash)) && all_hex(rest.substr(dash + 1));
+}
+
+std::string component_file_name(std::string_view component) {
+  return fmt::format("{}{}", component, kContainerExtension);
+}
+
+std::optional<std::string> parse_component_file_name(std::string_view file_name) {
+  if (!file_name.ends_with(kContainerExtension) || file_name.size() == kContainerExtension.size()) {
+    return std::nullopt;
+  }
+  return std::string(file_name.substr(0, file_name.size() - kContainerExtension.size()));
+}
+
+std::string join_path(std::string_view dir, std::string_view name) {
+  if (dir.empty()) return std::string(name);
+  if (dir.back() == '/') return fmt::format("{}{}", dir, name);
+  return fmt::format("{}/{}", dir, name);
+}
+
+std::string parent_path(std::string_view path) {
+  while (path.size() > 1 && path.back() == '/') path.remove_suffix(1);
+  std::size_t slash = path.rfind('/');
+  if (slash == std::string_view::npos) return ".";
+  if (slash == 0) return "/";
+  return std::string(path.substr(0, slash));
+}
+
+std::string base_name(std::string_view path) {
+  while (path.size() > 1 && path.back() == '/') path.remove_suffix(1);
+  std::size_t slash = path.rfind('/');
+  return std::string(slash == std::string_view::npos ? path : path.substr(slash + 1));
+}
+
+}  // namespace torchpoint

@@ -1,0 +1,38 @@
+// Every on-disk name torchpoint builds or parses, in one place.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace torchpoint {
+
+inline constexpr std::string_view kLockFileName = ".lock";
+inline constexpr std::string_view kManifestFileName = "manifest.json";
+inline constexpr std::string_view kContainerExtension = ".safetensors";
+inline constexpr std::string_view kCheckpointPrefix = "checkpoint_";
+
+// "checkpoint_7".
+std::string checkpoint_name(std::uint64_t number);
+// 7 for "checkpoint_7"; nullopt for anything else ("checkpoint_07", "checkpoint_7.tmp-…").
+std::optional<std::uint64_t> parse_checkpoint_name(std::string_view name);
+
+// A fresh temporary sibling name for `final_name`: "<final_name>.tmp-<pid>-<random hex>".
+std::string temp_name(std::string_view final_name);
+// True for names made by temp_name().
+bool is_temp_name(std::string_view name);
+
+// "model.safetensors" for component "model".
+std::string component_file_name(std::string_view component);
+// "model" for "model.safetensors"; nullopt for other names.
+std::optional<std::string> parse_component_file_name(std::string_view file_name);
+
+// Joins two path pieces with exactly one '/'.
+std::string join_path(std::string_view dir, std::string_view name);
+// The directory part of `path` ("." when there is none).
+std::string parent_path(std::string_view path);
+// The last component of `path`, ignoring trailing slashes.
+std::string base_name(std::string_view path);
+
+}  // namespace torchpoint
