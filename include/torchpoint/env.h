@@ -80,7 +80,8 @@ class FileLock {
 
 struct FileInfo {
   bool exists = false;
-  bool is_directory = false;
+  bool is_directory = false;  // of the target, for a symbolic link
+  bool is_symlink = false;
   std::uint64_t size = 0;
 };
 

@@ -380,6 +380,12 @@ VerifyReport verify(const std::string& path, Env& env) {
     ContainerHeader header = read_container_header(*file, path, collect);
     if (collect.any()) return report;
     std::shared_ptr<MappedRegion> region = file->map();
+    std::uint64_t expected =
+        header.data_start + (header.entries.empty() ? 0 : header.entries.back().end);
+    if (region->size() != expected) {
+      collect.add(fmt::format("{} changed size while being verified", path));
+      return report;
+    }
     check_data(header, *region, path, collect);
   } catch (const Error& e) {
     report.problems.push_back(e.what());

@@ -68,6 +68,12 @@ std::string json_string(const std::string& text, std::string_view what) {
 // Tensors in data order: descending element size (so every tensor is naturally aligned when
 // the data starts 8-byte aligned), the caller's order among equal sizes.
 std::vector<PlannedTensor> plan(const Container& contents) {
+  if (!contents.state.is_null() && !contents.state.is_object()) {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("the JSON state must be an object (or null), not {}; wrap the "
+                            "value, e.g. {{\"value\": ...}}",
+                            contents.state.type_name()));
+  }
   std::vector<PlannedTensor> planned;
   planned.reserve(contents.tensors.size());
   std::unordered_set<std::string_view> seen;
@@ -119,7 +125,7 @@ std::string build_header(const Container& contents, const std::vector<PlannedTen
       {"format_version", fmt::format("{}.{}", kFormatMajor, kFormatMinor)},
       {"torchpoint_version", TORCHPOINT_VERSION},
       {"tensors", std::move(checksums)},
-      {"state", contents.state},
+      {"state", contents.state.is_null() ? nlohmann::json::object() : contents.state},
   };
   std::string meta_text;
   try {

@@ -47,7 +47,14 @@ std::string serialize_manifest(const Manifest& m) {
       {"metadata", m.info.metadata},
       {"files", std::move(files)},
   };
-  std::string text = body.dump(2);  // ends with "\n}"
+  std::string text;
+  try {
+    text = body.dump(2);  // ends with "\n}"
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("the checkpoint metadata cannot be written: {}; use UTF-8 strings",
+                            e.what()));
+  }
   text.resize(text.size() - 2);
   text += tail_prefix();
   std::size_t digits_at = text.size();

@@ -1,5 +1,12 @@
 #include "io/atomic_commit.h"
 
+#include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <mutex>
+#include <set>
+
 #include <fmt/format.h>
 
 #include "io/filename.h"
@@ -17,15 +24,41 @@ void remove_quietly(Env& env, const std::string& path) noexcept {
   }
 }
 
+// Temporaries that a live PendingFile or PendingDir of this process owns. Any other temporary
+// of this process was abandoned by a cleanup that failed, and is stale.
+std::mutex live_mutex;
+std::set<std::string>& live_temporaries() {
+  static std::set<std::string> live;
+  return live;
+}
+
+void register_live(const std::string& path) {
+  std::lock_guard<std::mutex> lock(live_mutex);
+  live_temporaries().insert(path);
+}
+
+void unregister_live(const std::string& path) noexcept {
+  std::lock_guard<std::mutex> lock(live_mutex);
+  live_temporaries().erase(path);
+}
+
+bool is_live(const std::string& path) {
+  std::lock_guard<std::mutex> lock(live_mutex);
+  return live_temporaries().count(path) > 0;
+}
+
 }  // namespace
 
 PendingFile::PendingFile(Env& env, std::string final_path)
     : env_(env),
       final_path_(std::move(final_path)),
-      temp_path_(join_path(parent_path(final_path_), temp_name(base_name(final_path_)))) {}
+      temp_path_(join_path(parent_path(final_path_), temp_name(base_name(final_path_)))) {
+  register_live(temp_path_);
+}
 
 PendingFile::~PendingFile() {
   if (!committed_) remove_quietly(env_, temp_path_);
+  unregister_live(temp_path_);
 }
 
 void PendingFile::commit() {
@@ -47,11 +80,18 @@ PendingDir::PendingDir(Env& env, std::string final_path)
                             "choose a new directory or remove the old one",
                             final_path_));
   }
-  env_.mkdir(temp_path_);
+  register_live(temp_path_);
+  try {
+    env_.mkdir(temp_path_);
+  } catch (...) {
+    unregister_live(temp_path_);
+    throw;
+  }
 }
 
 PendingDir::~PendingDir() {
   if (!committed_) remove_quietly(env_, temp_path_);
+  unregister_live(temp_path_);
 }
 
 void PendingDir::commit() {
@@ -72,6 +112,15 @@ std::vector<std::string> remove_stale_temporaries(Env& env, const std::string& d
   std::vector<std::string> removed;
   for (const std::string& name : env.list_dir(dir)) {
     if (!is_temp_name(name)) continue;
+    // A temporary of another live process may belong to a save in progress (a single-file save
+    // takes no lock); one of this process is stale unless a live Pending* object owns it.
+    std::optional<int> pid = temp_name_pid(name);
+    if (!pid) continue;
+    if (*pid == ::getpid()) {
+      if (is_live(join_path(dir, name))) continue;
+    } else if (::kill(*pid, 0) == 0 || errno == EPERM) {
+      continue;
+    }
     env.remove_all(join_path(dir, name));
     removed.push_back(name);
   }

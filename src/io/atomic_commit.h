@@ -30,8 +30,9 @@ class PendingFile {
   const std::string& final_path() const { return final_path_; }
 
   // The caller has written, synced and closed temp_path(). Renames it over final_path() and
-  // syncs the parent directory. On failure the temporary is removed by the destructor and the
-  // previous version of final_path(), if any, is untouched.
+  // syncs the parent directory. If the rename fails, the temporary is removed by the
+  // destructor and the previous version of final_path(), if any, is untouched; if only the
+  // final directory sync fails, the new version is in place but may not survive a power cut.
   void commit();
 
  private:
@@ -55,7 +56,8 @@ class PendingDir {
   const std::string& final_path() const { return final_path_; }
 
   // Every file in temp_path() is written, synced and closed, the manifest last. Syncs the
-  // directory, renames it to final_path() and syncs the parent.
+  // directory, renames it to final_path() and syncs the parent. If only that last sync
+  // fails, the checkpoint is in place but may not survive a power cut; it still throws.
   void commit();
 
  private:
@@ -75,8 +77,9 @@ class ProjectLock {
   std::unique_ptr<FileLock> lock_;
 };
 
-// Removes every temporary left in `dir` by a writer that died (names from temp_name()).
-// Call it only while holding the directory's ProjectLock. Returns the names removed.
+// Removes every temporary left in `dir` by a writer that died (names from temp_name() whose
+// process no longer exists) or abandoned by a failed cleanup in this process. Call it while
+// holding the directory's ProjectLock. Returns the names removed.
 std::vector<std::string> remove_stale_temporaries(Env& env, const std::string& dir);
 
 }  // namespace torchpoint

@@ -63,7 +63,8 @@ void File::read_exact(void* data, std::size_t size, std::uint64_t offset) {
 void Env::remove_all(const std::string& path) {
   FileInfo info = stat(path);
   if (!info.exists) return;
-  if (!info.is_directory) {
+  // A link is removed, never followed: cleanup must not reach outside the directory.
+  if (!info.is_directory || info.is_symlink) {
     remove_file(path);
     return;
   }

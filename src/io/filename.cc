@@ -60,6 +60,15 @@ bool is_temp_name(std::string_view name) {
   return all_digits(rest.substr(0, dash)) && all_hex(rest.substr(dash + 1));
 }
 
+std::optional<int> temp_name_pid(std::string_view name) {
+  if (!is_temp_name(name)) return std::nullopt;
+  std::string_view rest = name.substr(name.rfind(kTempMarker) + kTempMarker.size());
+  int pid = 0;
+  auto [end, ec] = std::from_chars(rest.data(), rest.data() + rest.find('-'), pid);
+  if (ec != std::errc()) return std::nullopt;
+  return pid;
+}
+
 std::string component_file_name(std::string_view component) {
   return fmt::format("{}{}", component, kContainerExtension);
 }

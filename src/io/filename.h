@@ -22,6 +22,8 @@ std::optional<std::uint64_t> parse_checkpoint_name(std::string_view name);
 std::string temp_name(std::string_view final_name);
 // True for names made by temp_name().
 bool is_temp_name(std::string_view name);
+// The pid recorded in a temp_name(); nullopt for other names.
+std::optional<int> temp_name_pid(std::string_view name);
 
 // "model.safetensors" for component "model".
 std::string component_file_name(std::string_view component);

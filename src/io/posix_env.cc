@@ -186,11 +186,15 @@ class PosixEnv final : public Env {
   FileInfo stat(const std::string& path) override {
     struct stat st;
     FileInfo info;
-    if (::stat(path.c_str(), &st) != 0) {
+    if (::lstat(path.c_str(), &st) != 0) {
       if (errno == ENOENT || errno == ENOTDIR) return info;
       throw posix_error(fmt::format("stat of {}", path), errno);
     }
     info.exists = true;
+    if (S_ISLNK(st.st_mode)) {
+      info.is_symlink = true;
+      if (::stat(path.c_str(), &st) != 0) return info;  // dangling: a link to nothing
+    }
     info.is_directory = S_ISDIR(st.st_mode);
     info.size = static_cast<std::uint64_t>(st.st_size);
     return info;

@@ -1,0 +1,92 @@
+#include "testing/test_util.h"
+
+#include <ATen/ops/empty.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+
+#include "torchpoint/env.h"
+
+namespace torchpoint::testing {
+
+TempDir::TempDir() {
+  const char* base = std::getenv("TMPDIR");
+  std::string pattern = std::string(base && *base ? base : "/tmp") + "/torchpoint-test-XXXXXX";
+  std::vector<char> buf(pattern.begin(), pattern.end());
+  buf.push_back('\0');
+  if (::mkdtemp(buf.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+  path_ = buf.data();
+}
+
+TempDir::~TempDir() {
+  try {
+    Env::posix().remove_all(path_);
+  } catch (...) {  // swallowed: a leftover temp dir must not turn a passing test into a crash
+  }
+}
+
+bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
+  at::Tensor ca = a.contiguous(), cb = b.contiguous();
+  return std::memcmp(ca.data_ptr(), cb.data_ptr(), ca.numel() * ca.element_size()) == 0;
+}
+
+at::Tensor make_tensor(c10::ScalarType dtype, std::vector<std::int64_t> shape, std::uint64_t seed) {
+  at::Tensor t = at::empty(shape, at::TensorOptions().dtype(dtype));
+  std::mt19937_64 rng(seed);
+  auto* p = static_cast<std::uint8_t*>(t.data_ptr());
+  std::size_t n = t.numel() * t.element_size();
+  for (std::size_t i = 0; i < n; ++i) p[i] = static_cast<std::uint8_t>(rng());
+  if (dtype == c10::ScalarType::Bool) {
+    for (std::size_t i = 0; i < n; ++i) p[i] &= 1;  // only 0 and 1 are valid bools
+  }
+  return t;
+}
+
+std::string read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot read " + path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  if (!out) throw std::runtime_error("cannot write " + path);
+}
+
+void flip_bit(const std::string& path, std::uint64_t offset, int bit) {
+  std::string bytes = read_bytes(path);
+  if (offset >= bytes.size()) throw std::runtime_error("flip_bit past the end of " + path);
+  bytes[offset] = static_cast<char>(bytes[offset] ^ (1 << bit));
+  write_bytes(path, bytes);
+}
+
+void truncate_to(const std::string& path, std::uint64_t size) {
+  if (::truncate(path.c_str(), static_cast<off_t>(size)) != 0) {
+    throw std::runtime_error("truncate failed for " + path);
+  }
+}
+
+std::uint64_t file_size(const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) throw std::runtime_error("stat failed for " + path);
+  return static_cast<std::uint64_t>(st.st_size);
+}
+
+std::vector<std::string> list_sorted(const std::string& dir) {
+  std::vector<std::string> names = Env::posix().list_dir(dir);
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+}  // namespace torchpoint::testing

@@ -1,0 +1,42 @@
+// Small helpers shared by torchpoint's tests: temporary directories, tensors, file surgery.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace torchpoint::testing {
+
+// A fresh directory under $TMPDIR (or /tmp), removed with everything in it on destruction.
+class TempDir {
+ public:
+  TempDir();
+  ~TempDir();
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+
+  const std::string& path() const { return path_; }
+  std::string operator/(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+// True when both tensors have the same dtype, shape and bytes (NaNs with equal bits are equal).
+bool bitwise_equal(const at::Tensor& a, const at::Tensor& b);
+
+// A deterministic tensor of any supported dtype with varied values, seeded by `seed`.
+at::Tensor make_tensor(c10::ScalarType dtype, std::vector<std::int64_t> shape, std::uint64_t seed);
+
+std::string read_bytes(const std::string& path);
+void write_bytes(const std::string& path, const std::string& bytes);
+// Flips bit `bit` of byte `offset` in place.
+void flip_bit(const std::string& path, std::uint64_t offset, int bit);
+void truncate_to(const std::string& path, std::uint64_t size);
+std::uint64_t file_size(const std::string& path);
+// Names in `dir`, sorted.
+std::vector<std::string> list_sorted(const std::string& dir);
+
+}  // namespace torchpoint::testing

@@ -1,0 +1,525 @@
+// The io and format layers: container round trips, corruption, bad input, directory
+// checkpoints, locking and naming.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+
+#include "format/checksum.h"
+#include "format/container.h"
+#include "io/atomic_commit.h"
+#include "io/filename.h"
+#include "io/posix_error.h"
+#include "testing/test_util.h"
+#include "torchpoint/checkpoint_dir.h"
+#include "torchpoint/error.h"
+#include "torchpoint/tensor_file.h"
+
+namespace torchpoint {
+namespace {
+
+using testing::bitwise_equal;
+using testing::make_tensor;
+using testing::TempDir;
+
+const std::vector<c10::ScalarType> kAllDtypes = {
+    at::kBool, at::kByte, at::kChar, at::kShort, at::kInt,
+    at::kLong, at::kHalf, at::kBFloat16, at::kFloat, at::kDouble};
+
+const std::vector<std::vector<std::int64_t>> kShapes = {{}, {0}, {0, 3}, {1}, {7}, {3, 5}, {2, 3, 4}};
+
+// Runs `fn` and returns the Error it throws; fails the test if it throws nothing.
+template <typename Fn>
+Error expect_error(Fn&& fn, ErrorCode code) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), code) << e.what();
+    return e;
+  }
+  ADD_FAILURE() << "expected an Error with code " << error_code_name(code);
+  return Error(code, "");
+}
+
+void expect_same(const Container& a, const Container& b) {
+  ASSERT_EQ(a.tensors.size(), b.tensors.size());
+  for (std::size_t i = 0; i < a.tensors.size(); ++i) {
+    EXPECT_EQ(a.tensors[i].first, b.tensors[i].first) << "order differs at " << i;
+    EXPECT_TRUE(bitwise_equal(a.tensors[i].second, b.tensors[i].second)) << a.tensors[i].first;
+  }
+  // A null state is saved as an empty object.
+  EXPECT_EQ(a.state.is_null() ? nlohmann::json::object() : a.state, b.state);
+}
+
+Container mixed_container() {
+  Container c;
+  std::uint64_t seed = 1;
+  for (c10::ScalarType dtype : kAllDtypes) {
+    for (const auto& shape : kShapes) {
+      std::string name = fmt::format("{}.{}d.{}", c10::toString(dtype), shape.size(), seed);
+      c.tensors.emplace_back(name, make_tensor(dtype, shape, seed++));
+    }
+  }
+  c.state = {{"epoch", 3}, {"lr", 0.1}, {"tiny", 5e-324}, {"name", "ünï"}, {"list", {1, 2, 3}}};
+  return c;
+}
+
+// Rewrites the header checksum of a container after a deliberate edit.
+void reseal_header(std::string& bytes) {
+  std::uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<std::uint8_t>(bytes[i]);
+  std::string key = fmt::format("\"{}\":\"", kHeaderChecksumKey);
+  std::size_t at = bytes.rfind(key, 8 + n) + key.size();
+  bytes.replace(at, 16, std::string(16, '0'));
+  bytes.replace(at, 16, checksum_hex(xxh3(bytes.data(), 8 + n)));
+}
+
+std::uint64_t data_start_of(const std::string& path) {
+  std::string bytes = testing::read_bytes(path);
+  std::uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<std::uint8_t>(bytes[i]);
+  return 8 + n;
+}
+
+TEST(Container, RoundTripsEveryDtypeAndShapeBitForBit) {
+  TempDir dir;
+  Container c = mixed_container();
+  save_file(dir / "a.safetensors", c);
+  Container back = load_file(dir / "a.safetensors");
+  expect_same(c, back);
+  EXPECT_EQ(back.state["tiny"].get<double>(), 5e-324);
+  EXPECT_EQ(data_start_of(dir / "a.safetensors") % 8, 0u);
+}
+
+TEST(Container, WritesNonContiguousTensorsContiguously) {
+  TempDir dir;
+  at::Tensor base = make_tensor(at::kFloat, {6, 8}, 7);
+  at::Tensor transposed = base.t();
+  at::Tensor strided = base.slice(1, 0, 8, 3);
+  save_file(dir / "nc.safetensors", {{{"t", transposed}, {"s", strided}}});
+  Container back = load_file(dir / "nc.safetensors");
+  EXPECT_TRUE(back.tensors[0].second.equal(transposed));
+  EXPECT_TRUE(back.tensors[1].second.equal(strided));
+  EXPECT_TRUE(back.tensors[0].second.is_contiguous());
+}
+
+TEST(Container, LargeTensorsRoundTripThroughTheDirectIoPipeline) {
+  TempDir dir;
+  Container c;
+  c.tensors.emplace_back("small", make_tensor(at::kShort, {3}, 1));
+  c.tensors.emplace_back("big", make_tensor(at::kFloat, {5, 1024, 1024}, 2));  // 20 MiB
+  c.tensors.emplace_back("odd", make_tensor(at::kDouble, {12345}, 3));
+  save_file(dir / "big.safetensors", c);
+  expect_same(c, load_file(dir / "big.safetensors"));
+  std::uint64_t data = 3 * 2 + 5 * 1024 * 1024 * 4 + 12345 * 8;
+  EXPECT_EQ(testing::file_size(dir / "big.safetensors"), data_start_of(dir / "big.safetensors") + data)
+      << "the O_DIRECT padding must be cut off";
+}
+
+TEST(Container, KeepsTheOrderOfThousandsOfSmallTensors) {
+  TempDir dir;
+  Container c;
+  for (int i = 0; i < 3000; ++i) {
+    c.tensors.emplace_back(fmt::format("t{}", (i * 7919) % 3000),
+                           make_tensor(i % 2 ? at::kFloat : at::kHalf, {i % 5, 3}, i));
+  }
+  save_file(dir / "many.safetensors", c);
+  expect_same(c, load_file(dir / "many.safetensors"));
+}
+
+TEST(Container, LoadedTensorsAreWritableAndOutliveTheFile) {
+  TempDir dir;
+  at::Tensor t = at::randn({1000});
+  save_file(dir / "w.safetensors", {{{"t", t}}});
+  Container back = load_file(dir / "w.safetensors");
+  Env::posix().remove_file(dir / "w.safetensors");
+  back.tensors[0].second.add_(1.0);
+  EXPECT_TRUE(back.tensors[0].second.equal(t + 1.0));
+}
+
+TEST(Container, SaveReplacesAtomicallyAndLeavesNoTemporary) {
+  TempDir dir;
+  save_file(dir / "s.ckpt", {{{"v", at::ones({2})}}, {{"n", 1}}});
+  save_file(dir / "s.ckpt", {{{"v", at::zeros({2})}}, {{"n", 2}}});
+  EXPECT_EQ(load_file(dir / "s.ckpt").state["n"], 2);
+  EXPECT_EQ(testing::list_sorted(dir.path()), std::vector<std::string>{"s.ckpt"});
+}
+
+TEST(Container, PythonReaderThatKnowsOnlyTheSpecAcceptsOurFiles) {
+  TempDir dir;
+  nlohmann::json expect = nlohmann::json::object();
+  Container c;
+  c.tensors.emplace_back("f32", at::tensor({1.5f, -2.25f, 3.0f}).reshape({3, 1}));
+  c.tensors.emplace_back("i64", at::tensor({int64_t{-7}, int64_t{1} << 40}));
+  c.tensors.emplace_back("b", at::tensor({1, 0, 1}).to(at::kBool));
+  c.tensors.emplace_back("h", at::tensor({0.5f, 2.0f}).to(at::kHalf));
+  c.tensors.emplace_back("bf", at::tensor({1.0f, -3.0f}).to(at::kBFloat16));
+  c.tensors.emplace_back("u8", at::tensor({0, 255}).to(at::kByte));
+  c.tensors.emplace_back("scalar", at::scalar_tensor(2.5, at::kDouble));
+  c.tensors.emplace_back("empty", at::empty({0, 4}, at::kInt));
+  save_file(dir / "py.safetensors", c);
+  save_file(dir / "mixed.safetensors", mixed_container());
+  Container big;
+  big.tensors.emplace_back("big", make_tensor(at::kFloat, {600, 1024}, 9));
+  big.tensors.emplace_back("tail", at::tensor({int16_t{1}, int16_t{2}, int16_t{3}}));
+  save_file(dir / "big.safetensors", big);
+  nlohmann::json values = {
+      {"f32", {{"dtype", "F32"}, {"shape", {3, 1}}, {"values", {1.5, -2.25, 3.0}}}},
+      {"i64", {{"dtype", "I64"}, {"shape", {2}}, {"values", {-7, int64_t{1} << 40}}}},
+      {"b", {{"dtype", "BOOL"}, {"shape", {3}}, {"values", {true, false, true}}}},
+      {"h", {{"dtype", "F16"}, {"shape", {2}}, {"values", {0.5, 2.0}}}},
+      {"bf", {{"dtype", "BF16"}, {"shape", {2}}, {"values", {1.0, -3.0}}}},
+      {"u8", {{"dtype", "U8"}, {"shape", {2}}, {"values", {0, 255}}}},
+      {"scalar", {{"dtype", "F64"}, {"shape", nlohmann::json::array()}, {"values", {2.5}}}},
+      {"empty", {{"dtype", "I32"}, {"shape", {0, 4}}, {"values", nlohmann::json::array()}}},
+  };
+  expect[dir / "py.safetensors"] = values;
+  std::ofstream(dir / "expect.json") << expect.dump();
+  const char* src = std::getenv("TORCHPOINT_SOURCE_DIR");
+  ASSERT_NE(src, nullptr) << "TORCHPOINT_SOURCE_DIR is set by CTest";
+  std::string cmd = fmt::format(
+      "/usr/bin/python3 {}/tests/python/check_safetensors.py --expect-json {} {} {} {}", src,
+      dir / "expect.json", dir / "py.safetensors", dir / "mixed.safetensors",
+      dir / "big.safetensors");
+  int rc = std::system(cmd.c_str());
+  ASSERT_TRUE(WIFEXITED(rc));
+  EXPECT_EQ(WEXITSTATUS(rc), 0) << cmd;
+}
+
+TEST(Container, EveryHeaderByteFlipIsDetected) {
+  TempDir dir;
+  Container c = mixed_container();
+  std::string path = dir / "h.safetensors";
+  save_file(path, c);
+  std::string pristine = testing::read_bytes(path);
+  std::uint64_t data_start = data_start_of(path);
+  int detected = 0;
+  for (std::uint64_t i = 0; i < data_start; ++i) {
+    std::string bytes = pristine;
+    bytes[i] = static_cast<char>(bytes[i] ^ (1 << (i % 8)));
+    testing::write_bytes(path, bytes);
+    try {
+      load_file(path);
+      ADD_FAILURE() << "flip of bit " << i % 8 << " of header byte " << i << " went unnoticed";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::Corruption) << "byte " << i << ": " << e.what();
+      EXPECT_NE(std::string(e.what()).find(path), std::string::npos);
+      ++detected;
+    }
+    EXPECT_FALSE(verify(path).ok()) << "byte " << i;
+  }
+  EXPECT_EQ(detected, static_cast<int>(data_start));
+}
+
+TEST(Container, DataFlipsAreDetectedAndNameTheTensor) {
+  TempDir dir;
+  Container c;
+  for (int i = 0; i < 6; ++i) {
+    c.tensors.emplace_back(fmt::format("layer{}.weight", i), make_tensor(at::kFloat, {64, 33}, i));
+  }
+  std::string path = dir / "d.safetensors";
+  save_file(path, c);
+  std::string pristine = testing::read_bytes(path);
+  std::uint64_t start = data_start_of(path);
+  std::uint64_t per_tensor = 64 * 33 * 4;
+  int checked = 0;
+  for (int t = 0; t < 6; ++t) {
+    for (std::uint64_t k = 0; k < per_tensor; k += 211) {
+      std::string bytes = pristine;
+      std::uint64_t at = start + t * per_tensor + k;
+      bytes[at] = static_cast<char>(bytes[at] ^ (1 << (k % 8)));
+      testing::write_bytes(path, bytes);
+      Error e = expect_error([&] { load_file(path); }, ErrorCode::Corruption);
+      EXPECT_NE(std::string(e.what()).find(fmt::format("'layer{}.weight'", t)), std::string::npos)
+          << e.what();
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 200);
+}
+
+TEST(Container, TruncationAtEveryLengthClassIsDetected) {
+  TempDir dir;
+  std::string path = dir / "t.safetensors";
+  save_file(path, mixed_container());
+  std::string pristine = testing::read_bytes(path);
+  std::uint64_t start = data_start_of(path);
+  std::vector<std::uint64_t> lengths = {0, 7, 8, 9, start / 2, start - 1, start, start + 1,
+                                        (start + pristine.size()) / 2, pristine.size() - 1};
+  for (std::uint64_t len : lengths) {
+    testing::write_bytes(path, pristine.substr(0, len));
+    Error e = expect_error([&] { load_file(path); }, ErrorCode::Corruption);
+    EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+    EXPECT_FALSE(verify(path).ok()) << "length " << len;
+  }
+}
+
+TEST(Container, VerifyReportsEveryCorruptTensorNotOnlyTheFirst) {
+  TempDir dir;
+  std::string path = dir / "v.safetensors";
+  save_file(path, {{{"a", make_tensor(at::kFloat, {100}, 1)},
+                    {"b", make_tensor(at::kFloat, {100}, 2)},
+                    {"c", make_tensor(at::kFloat, {100}, 3)}}});
+  EXPECT_TRUE(verify(path).ok());
+  std::uint64_t start = data_start_of(path);
+  testing::flip_bit(path, start + 10, 3);         // in a
+  testing::flip_bit(path, start + 2 * 400 + 5, 0);  // in c
+  VerifyReport report = verify(path);
+  ASSERT_EQ(report.problems.size(), 2u);
+  EXPECT_NE(report.problems[0].find("'a'"), std::string::npos) << report.problems[0];
+  EXPECT_NE(report.problems[1].find("'c'"), std::string::npos) << report.problems[1];
+}
+
+TEST(BadInput, MissingPathIsNotFound) {
+  TempDir dir;
+  Error e = expect_error([&] { load_file(dir / "nope.safetensors"); }, ErrorCode::NotFound);
+  EXPECT_NE(std::string(e.what()).find("nope.safetensors"), std::string::npos);
+  expect_error([&] { load_directory(dir / "nope"); }, ErrorCode::NotFound);
+  EXPECT_FALSE(verify(dir / "nope").ok());
+}
+
+TEST(BadInput, DirectoryThatIsNotACheckpointIsNotFound) {
+  TempDir dir;
+  Env::posix().mkdir(dir / "plain");
+  testing::write_bytes(dir / "plain/model.safetensors", "junk");
+  Error e = expect_error([&] { load_directory(dir / "plain"); }, ErrorCode::NotFound);
+  EXPECT_NE(std::string(e.what()).find("manifest.json"), std::string::npos) << e.what();
+  expect_error([&] { load_directory(dir / "plain/model.safetensors"); },
+               ErrorCode::InvalidArgument);
+}
+
+TEST(BadInput, NonContainerFilesAreCorruption) {
+  TempDir dir;
+  testing::write_bytes(dir / "x", std::string("\xff\xff\xff\xff\xff\xff\xff\x7f", 8) + "{}");
+  expect_error([&] { load_file(dir / "x"); }, ErrorCode::Corruption);
+  testing::write_bytes(dir / "y", std::string("\x02\0\0\0\0\0\0\0{}", 10));
+  expect_error([&] { load_file(dir / "y"); }, ErrorCode::Corruption);
+}
+
+TEST(BadInput, FutureMajorVersionIsIncompatibleAndNamesBothVersions) {
+  TempDir dir;
+  std::string path = dir / "future.safetensors";
+  save_file(path, {{{"w", at::ones({2})}}});
+  std::string bytes = testing::read_bytes(path);
+  std::size_t at = bytes.find(R"(format_version\":\"1.0)");
+  ASSERT_NE(at, std::string::npos);
+  bytes.replace(at + 19, 3, "7.2");
+  reseal_header(bytes);
+  testing::write_bytes(path, bytes);
+  Error e = expect_error([&] { load_file(path); }, ErrorCode::Incompatible);
+  EXPECT_NE(std::string(e.what()).find("7.2"), std::string::npos) << e.what();
+  EXPECT_NE(std::string(e.what()).find("1.0"), std::string::npos) << e.what();
+}
+
+TEST(BadInput, UnsupportedDtypesAreRefusedOnSaveAndLoad) {
+  TempDir dir;
+  Error e = expect_error(
+      [&] { save_file(dir / "c.safetensors", {{{"z", at::zeros({2}, at::kComplexFloat)}}}); },
+      ErrorCode::Unsupported);
+  EXPECT_NE(std::string(e.what()).find("'z'"), std::string::npos) << e.what();
+  EXPECT_FALSE(Env::posix().stat(dir / "c.safetensors").exists);
+  EXPECT_TRUE(testing::list_sorted(dir.path()).empty()) << "no temporary may remain";
+
+  std::string path = dir / "u16.safetensors";
+  save_file(path, {{{"q", at::zeros({2}, at::kShort)}}});
+  std::string bytes = testing::read_bytes(path);
+  bytes.replace(bytes.find("\"I16\""), 5, "\"U16\"");
+  reseal_header(bytes);
+  testing::write_bytes(path, bytes);
+  Error e2 = expect_error([&] { load_file(path); }, ErrorCode::Unsupported);
+  EXPECT_NE(std::string(e2.what()).find("U16"), std::string::npos) << e2.what();
+}
+
+TEST(BadInput, BadTensorNamesAreInvalidArguments) {
+  TempDir dir;
+  expect_error([&] { save_file(dir / "a", {{{"x", at::ones({1})}, {"x", at::ones({1})}}}); },
+               ErrorCode::InvalidArgument);
+  expect_error([&] { save_file(dir / "a", {{{"", at::ones({1})}}}); }, ErrorCode::InvalidArgument);
+  expect_error([&] { save_file(dir / "a", {{{"__metadata__", at::ones({1})}}}); },
+               ErrorCode::InvalidArgument);
+  expect_error([&] { save_file(dir / "a", {{{"\xff\xfe", at::ones({1})}}}); },
+               ErrorCode::InvalidArgument);
+  EXPECT_TRUE(testing::list_sorted(dir.path()).empty());
+}
+
+std::vector<Component> sample_components(int seed) {
+  return {
+      {"model", {{{"fc.weight", make_tensor(at::kFloat, {4, 3}, seed)},
+                  {"fc.bias", make_tensor(at::kFloat, {4}, seed + 1)}}, {}}},
+      {"optimizer", {{{"state.0.step", at::tensor(int64_t{seed})}}, {{"lr", 0.01 * seed}}}},
+      {"random_states_0", {{{"cpu", make_tensor(at::kByte, {5056}, seed + 2)}}, {}}},
+  };
+}
+
+TEST(Directory, RoundTripsComponentsAndManifest) {
+  TempDir dir;
+  std::string path = dir / "checkpoints/checkpoint_0";
+  auto components = sample_components(3);
+  CheckpointInfo info;
+  info.step = 120;
+  info.iteration = 0;
+  info.metadata = {{"run", "exp1"}};
+  save_directory(path, components, info);
+  EXPECT_EQ(testing::list_sorted(path),
+            (std::vector<std::string>{"manifest.json", "model.safetensors",
+                                      "optimizer.safetensors", "random_states_0.safetensors"}));
+  EXPECT_EQ(testing::list_sorted(dir / "checkpoints"),
+            (std::vector<std::string>{".lock", "checkpoint_0"}));
+  DirectoryCheckpoint back = load_directory(path);
+  ASSERT_EQ(back.components.size(), 3u);
+  for (std::size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(back.components[i].name, components[i].name);
+    expect_same(components[i].contents, back.components[i].contents);
+  }
+  EXPECT_EQ(back.info.step, 120);
+  EXPECT_EQ(back.info.metadata["run"], "exp1");
+  EXPECT_TRUE(back.libtorch_version.starts_with("1.13")) << back.libtorch_version;
+  EXPECT_TRUE(verify(path).ok());
+}
+
+TEST(Directory, NeverWritesIntoACommittedCheckpoint) {
+  TempDir dir;
+  std::string path = dir / "checkpoint_1";
+  save_directory(path, sample_components(1));
+  Error e = expect_error([&] { save_directory(path, sample_components(2)); },
+                         ErrorCode::InvalidArgument);
+  EXPECT_NE(std::string(e.what()).find("never overwritten"), std::string::npos);
+  expect_same(sample_components(1)[0].contents, load_directory(path).components[0].contents);
+}
+
+TEST(Directory, CorruptManifestOrFilesAreDetected) {
+  TempDir dir;
+  std::string path = dir / "checkpoint_2";
+  save_directory(path, sample_components(2));
+  std::string manifest = path + "/manifest.json";
+  std::string pristine = testing::read_bytes(manifest);
+  for (std::size_t i = 0; i < pristine.size(); i += 7) {
+    std::string bytes = pristine;
+    bytes[i] = static_cast<char>(bytes[i] ^ (1 << (i % 8)));
+    testing::write_bytes(manifest, bytes);
+    expect_error([&] { load_directory(path); }, ErrorCode::Corruption);
+    EXPECT_FALSE(verify(path).ok());
+  }
+  testing::write_bytes(manifest, pristine);
+  EXPECT_TRUE(verify(path).ok());
+
+  testing::write_bytes(path + "/extra.safetensors", "x");
+  VerifyReport extra = verify(path);
+  ASSERT_EQ(extra.problems.size(), 1u);
+  EXPECT_NE(extra.problems[0].find("not listed"), std::string::npos);
+  Env::posix().remove_file(path + "/extra.safetensors");
+
+  Env::posix().remove_file(path + "/optimizer.safetensors");
+  Error e = expect_error([&] { load_directory(path); }, ErrorCode::Corruption);
+  EXPECT_NE(std::string(e.what()).find("optimizer.safetensors"), std::string::npos);
+}
+
+TEST(Directory, ReplacedFileIsDetectedThroughTheManifest) {
+  TempDir dir;
+  save_directory(dir / "a", sample_components(1));
+  save_directory(dir / "b", sample_components(2));
+  // A valid file of the same size from another checkpoint must not pass for the original.
+  Env::posix().remove_file(dir / "a/model.safetensors");
+  testing::write_bytes(dir / "a/model.safetensors", testing::read_bytes(dir / "b/model.safetensors"));
+  expect_error([&] { load_directory(dir / "a"); }, ErrorCode::Corruption);
+  EXPECT_FALSE(verify(dir / "a").ok());
+}
+
+TEST(Directory, InvalidComponentNamesAreRefused) {
+  TempDir dir;
+  expect_error([&] { save_directory(dir / "c", {{"../evil", {}}}); }, ErrorCode::InvalidArgument);
+  expect_error([&] { save_directory(dir / "c", {{"m", {}}, {"m", {}}}); },
+               ErrorCode::InvalidArgument);
+  EXPECT_FALSE(Env::posix().stat(dir / "c").exists);
+}
+
+TEST(Commit, StaleTemporariesAreRemovedAndOthersKept) {
+  TempDir dir;
+  Env& env = Env::posix();
+  env.mkdir(dir / "checkpoint_3.tmp-999999999-00ff00ff00ff00ff");
+  testing::write_bytes(dir / "checkpoint_3.tmp-999999999-00ff00ff00ff00ff/model.safetensors", "half");
+  testing::write_bytes(dir / "state.ckpt.tmp-999999998-abcdef0123456789", "half");
+  testing::write_bytes(dir / "notes.tmp-txt", "mine");
+  // A temporary that a live save of this process owns is kept; an abandoned one is not.
+  PendingFile in_progress(Env::posix(), dir / "state.ckpt");
+  std::string live = base_name(in_progress.temp_path());
+  testing::write_bytes(dir / live, "in progress");
+  testing::write_bytes(dir / temp_name("state.ckpt"), "abandoned by this process");
+  env.mkdir(dir / "checkpoint_1");
+  save_directory(dir / "checkpoint_4", sample_components(4));
+  EXPECT_EQ(testing::list_sorted(dir.path()),
+            (std::vector<std::string>{".lock", "checkpoint_1", "checkpoint_4", "notes.tmp-txt",
+                                      live}));
+}
+
+TEST(Commit, SecondWriterInThisProcessIsLocked) {
+  TempDir dir;
+  ProjectLock first(Env::posix(), dir.path());
+  Error e = expect_error([&] { ProjectLock second(Env::posix(), dir.path()); }, ErrorCode::Locked);
+  EXPECT_NE(std::string(e.what()).find(".lock"), std::string::npos);
+  expect_error([&] { save_directory(dir / "checkpoint_0", sample_components(0)); },
+               ErrorCode::Locked);
+  EXPECT_FALSE(Env::posix().stat(dir / "checkpoint_0").exists);
+}
+
+TEST(Commit, WriterInAnotherProcessIsLockedAndTheLockDiesWithIt) {
+  TempDir dir;
+  int ready[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ProjectLock held(Env::posix(), dir.path());
+    char c = 'x';
+    [[maybe_unused]] auto n = ::write(ready[1], &c, 1);
+    ::pause();  // until killed
+    ::_exit(0);
+  }
+  char c;
+  ASSERT_EQ(::read(ready[0], &c, 1), 1);
+  auto t0 = std::chrono::steady_clock::now();
+  expect_error([&] { save_directory(dir / "checkpoint_0", sample_components(0)); },
+               ErrorCode::Locked);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(1));
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, nullptr, 0);
+  save_directory(dir / "checkpoint_0", sample_components(0));  // the lock died with the holder
+  EXPECT_TRUE(verify(dir / "checkpoint_0").ok());
+  ::close(ready[0]);
+  ::close(ready[1]);
+}
+
+TEST(Names, CheckpointNamesParseOnlyTheirCanonicalForm) {
+  EXPECT_EQ(checkpoint_name(10), "checkpoint_10");
+  EXPECT_EQ(parse_checkpoint_name("checkpoint_10"), 10u);
+  EXPECT_EQ(parse_checkpoint_name("checkpoint_0"), 0u);
+  EXPECT_EQ(parse_checkpoint_name("checkpoint_100000"), 100000u);
+  for (const char* bad : {"checkpoint_", "checkpoint_07", "checkpoint_1.tmp-1-ab", "checkpoint_x",
+                          "checkpoint_-1", "ckpt_1", "checkpoint_99999999999999999999999"}) {
+    EXPECT_FALSE(parse_checkpoint_name(bad).has_value()) << bad;
+  }
+  std::string tmp = temp_name("checkpoint_3");
+  EXPECT_TRUE(tmp.starts_with("checkpoint_3.tmp-")) << tmp;
+  EXPECT_TRUE(is_temp_name(tmp));
+  EXPECT_NE(temp_name("a"), temp_name("a"));
+  EXPECT_FALSE(is_temp_name("checkpoint_3"));
+  EXPECT_FALSE(is_temp_name("notes.tmp-txt"));
+  EXPECT_EQ(parent_path("a/b/c"), "a/b");
+  EXPECT_EQ(parent_path("c"), ".");
+  EXPECT_EQ(base_name("a/b/"), "b");
+}
+
+TEST(Errors, PosixErrorsCarryCodeContextAndHint) {
+  Error full = posix_error("write of /x/model.safetensors", ENOSPC);
+  EXPECT_EQ(full.code(), ErrorCode::IOError);
+  EXPECT_NE(std::string(full.what()).find("/x/model.safetensors"), std::string::npos);
+  EXPECT_NE(std::string(full.what()).find("disk is full"), std::string::npos);
+  EXPECT_EQ(posix_error("open of /nope", ENOENT).code(), ErrorCode::NotFound);
+  EXPECT_NE(std::string(posix_error("rename", EXDEV).what()).find("same file system"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace torchpoint
