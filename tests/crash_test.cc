@@ -1,0 +1,163 @@
+// SIGKILLs a child process that saves checkpoints in a loop, at random moments, and checks
+// after every kill that the newest committed checkpoint loads, verifies and holds exactly the
+// state saved under its name, and that every save the child reported as committed survived.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "io/filename.h"
+#include "tests/crash_state.h"
+#include "testing/test_util.h"
+#include "torchpoint/checkpoint_dir.h"
+#include "torchpoint/error.h"
+
+namespace torchpoint {
+namespace {
+
+struct Child {
+  pid_t pid;
+  int out;  // read end of the child's stdout
+};
+
+Child spawn(const std::string& root, std::uint64_t first) {
+  int fds[2];
+  if (::pipe(fds) != 0) throw std::runtime_error("pipe failed");
+  pid_t pid = ::fork();
+  if (pid < 0) throw std::runtime_error("fork failed");
+  if (pid == 0) {
+    ::dup2(fds[1], STDOUT_FILENO);
+    ::close(fds[0]);
+    ::close(fds[1]);
+    std::string first_text = std::to_string(first);
+    ::execl(CRASH_CHILD, CRASH_CHILD, root.c_str(), first_text.c_str(), nullptr);
+    ::_exit(127);
+  }
+  ::close(fds[1]);
+  return {pid, fds[0]};
+}
+
+// Reads lines until "ready"; returns false on EOF.
+bool wait_ready(int fd) {
+  std::string line;
+  char c;
+  while (::read(fd, &c, 1) == 1) {
+    if (c == '\n') {
+      if (line == "ready") return true;
+      line.clear();
+    } else {
+      line += c;
+    }
+  }
+  return false;
+}
+
+// Everything the child printed after "ready": the numbers it reported committed.
+std::vector<std::uint64_t> drain_committed(int fd) {
+  std::string text;
+  char buf[4096];
+  ssize_t n;
+  while ((n = ::read(fd, buf, sizeof buf)) > 0) text.append(buf, n);
+  std::vector<std::uint64_t> out;
+  std::istringstream in(text);
+  std::string word;
+  std::uint64_t i;
+  while (in >> word) {
+    if (word == "committed" && in >> i) out.push_back(i);
+  }
+  return out;
+}
+
+void expect_holds(const std::string& path, std::uint64_t i) {
+  VerifyReport report = verify(path);
+  ASSERT_TRUE(report.ok()) << path << ": " << report.problems.front();
+  DirectoryCheckpoint loaded = load_directory(path);
+  std::vector<Component> expected = testing::crash_state(i);
+  ASSERT_EQ(loaded.components.size(), expected.size()) << path;
+  EXPECT_EQ(loaded.info.step, static_cast<std::int64_t>(i));
+  for (std::size_t c = 0; c < expected.size(); ++c) {
+    const auto& a = expected[c].contents.tensors;
+    const auto& b = loaded.components[c].contents.tensors;
+    ASSERT_EQ(a.size(), b.size());
+    for (std::size_t t = 0; t < a.size(); ++t) {
+      EXPECT_TRUE(testing::bitwise_equal(a[t].second, b[t].second)) << path << " " << a[t].first;
+    }
+  }
+}
+
+TEST(Crash, SigkillAtRandomMomentsNeverLosesOrTearsACommittedCheckpoint) {
+  const char* kills_env = std::getenv("TORCHPOINT_CRASH_KILLS");
+  const int kills = kills_env ? std::atoi(kills_env) : 100;
+  const char* seed_env = std::getenv("TORCHPOINT_CRASH_SEED");
+  const std::uint64_t seed = seed_env ? std::strtoull(seed_env, nullptr, 10)
+                                      : std::random_device{}();
+  std::printf("crash test: %d kills, seed %llu (replay with TORCHPOINT_CRASH_SEED)\n", kills,
+              static_cast<unsigned long long>(seed));
+  std::mt19937_64 rng(seed);
+  testing::TempDir dir;
+  std::string root = dir / "checkpoints";
+  std::uint64_t next = 0;
+  std::uint64_t total_commits = 0;
+  std::uint64_t newest_reported = 0;
+  bool any_reported = false;
+  for (int k = 0; k < kills; ++k) {
+    SCOPED_TRACE(fmt::format("kill {} of {}, seed {}", k + 1, kills, seed));
+    Child child = spawn(root, next);
+    ASSERT_TRUE(wait_ready(child.out)) << "the child did not start";
+    // 0–40 ms into the save loop: before the first commit, mid-file, mid-rename, after commit.
+    std::this_thread::sleep_for(std::chrono::microseconds(rng() % 40000));
+    ::kill(child.pid, SIGKILL);
+    int status = 0;
+    ::waitpid(child.pid, &status, 0);
+    ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "status " << status;
+    std::vector<std::uint64_t> reported = drain_committed(child.out);
+    ::close(child.out);
+    total_commits += reported.size();
+    if (!reported.empty()) {
+      newest_reported = reported.back();
+      any_reported = true;
+    }
+
+    // Committed checkpoints present now, by number.
+    std::vector<std::uint64_t> present;
+    if (Env::posix().stat(root).exists) {
+      for (const std::string& name : Env::posix().list_dir(root)) {
+        if (auto n = parse_checkpoint_name(name)) present.push_back(*n);
+      }
+    }
+    std::sort(present.begin(), present.end());
+    if (any_reported) {
+      // Retention keeps the newest three, so every reported save newer than that survives.
+      ASSERT_FALSE(present.empty());
+      EXPECT_GE(present.back(), newest_reported);
+      for (std::uint64_t i = newest_reported >= 2 ? newest_reported - 2 : 0; i <= newest_reported;
+           ++i) {
+        EXPECT_TRUE(std::binary_search(present.begin(), present.end(), i))
+            << "checkpoint_" << i << " was reported committed but is gone";
+      }
+    }
+    if (!present.empty()) {
+      expect_holds(join_path(root, checkpoint_name(present.back())), present.back());
+      next = present.back() + 1;
+    }
+    if (HasFatalFailure()) return;
+  }
+  std::printf("crash test: %d kills, %llu commits observed, newest checkpoint_%llu\n", kills,
+              static_cast<unsigned long long>(total_commits),
+              static_cast<unsigned long long>(next == 0 ? 0 : next - 1));
+  EXPECT_GT(total_commits, static_cast<std::uint64_t>(kills) / 2) << "kills came too early";
+  // The next writer sweeps what the killed ones left behind.
+  save_directory(join_path(root, checkpoint_name(next)), testing::crash_state(next));
+  for (const std::string& name : Env::posix().list_dir(root)) {
+    EXPECT_FALSE(is_temp_name(name)) << name << " was left behind";
+  }
+}
+
+}  // namespace
+}  // namespace torchpoint
