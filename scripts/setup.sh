@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs what torchpoint needs on Debian 12 (only the packages that are missing), then
+# configures and builds it in ./build. Safe to run again: it only redoes what changed.
+# Usage: scripts/setup.sh [cmake --build targets...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+packages=(
+  g++ cmake ninja-build ccache python3
+  libtorch-dev nlohmann-json3-dev libxxhash-dev libfmt-dev libcli11-dev
+  googletest libgtest-dev libbenchmark-dev
+)
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+if ((${#missing[@]} > 0)); then
+  echo "setup: installing ${missing[*]}"
+  sudo=""
+  if [[ $(id -u) -ne 0 ]]; then sudo="sudo"; fi
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get update -q
+  $sudo apt-get install -y -q "${missing[@]}"
+fi
+
+if [[ ! -f build/build.ninja ]]; then
+  cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo
+fi
+cmake --build build ${1:+--target "$@"}
