@@ -26,7 +26,7 @@ struct Component {
 struct CheckpointInfo {
   std::int64_t step = 0;
   std::int64_t iteration = 0;
-  nlohmann::json metadata = nlohmann::json::object();  // the caller's, kept as given
+  Json metadata = Json::object();  // the caller's, kept as given
 };
 
 // Writes a new directory checkpoint at `path`, which must not exist; its parent is created if

@@ -17,6 +17,9 @@
 
 namespace torchpoint {
 
+// JSON that keeps the order in which keys were inserted.
+using Json = nlohmann::ordered_json;
+
 // Tensors by name, in the caller's order (kept across a save and load).
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
@@ -25,7 +28,7 @@ struct Container {
   NamedTensors tensors;
   // Non-tensor state. Numbers round-trip exactly, except NaN and infinities, which JSON cannot
   // hold: keep those in tensors.
-  nlohmann::json state = nlohmann::json::object();
+  Json state = Json::object();
 };
 
 // Atomically writes `contents` to `path`: a temporary sibling is written, fsynced and renamed

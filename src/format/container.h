@@ -39,7 +39,7 @@ struct ContainerHeader {
   std::uint64_t data_start = 0;          // 8 + header length
   std::vector<TensorEntry> entries;      // in data order
   std::vector<std::size_t> caller_order; // indexes into entries, in the writer's order
-  nlohmann::json state = nlohmann::json::object();
+  Json state = Json::object();
   std::uint64_t header_checksum = 0;
   int version_major = 0;
   int version_minor = 0;

@@ -42,14 +42,14 @@ std::optional<std::uint64_t> byte_size(const std::vector<std::int64_t>& shape,
   return total;
 }
 
-std::optional<std::uint64_t> as_u64(const ojson& v) {
+std::optional<std::uint64_t> as_u64(const nlohmann::json& v) {
   if (v.is_number_unsigned()) return v.get<std::uint64_t>();
   if (v.is_number_integer() && v.get<std::int64_t>() >= 0) return v.get<std::uint64_t>();
   return std::nullopt;
 }
 
 // Parses one tensor entry; returns false (after reporting) when it is unusable.
-bool parse_entry(const std::string& name, const ojson& value, const std::string& path,
+bool parse_entry(const std::string& name, const nlohmann::json& value, const std::string& path,
                  Problems& problems, TensorEntry* out) {
   auto bad = [&](const std::string& why) {
     problems.add(fmt::format("{}: tensor '{}': {}", path, name, why));
@@ -78,7 +78,7 @@ bool parse_entry(const std::string& name, const ojson& value, const std::string&
   }
   if (shape_it->size() > 64) return bad(fmt::format("{} dimensions is too many", shape_it->size()));
   std::vector<std::int64_t> shape;
-  for (const ojson& d : *shape_it) {
+  for (const nlohmann::json& d : *shape_it) {
     auto u = as_u64(d);
     if (!u || *u > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())) {
       return bad(fmt::format("shape {} has an invalid dimension", shape_it->dump()));
@@ -102,7 +102,7 @@ bool parse_entry(const std::string& name, const ojson& value, const std::string&
 }
 
 // Checks the torchpoint metadata string and fills version, checksums, order and state.
-void parse_torchpoint_metadata(const ojson& metadata, const std::string& path,
+void parse_torchpoint_metadata(const nlohmann::json& metadata, const std::string& path,
                                Problems& problems, ContainerHeader* header) {
   auto it = metadata.find(std::string(kTorchpointKey));
   if (it == metadata.end() || !it->is_string()) {
@@ -141,20 +141,30 @@ void parse_torchpoint_metadata(const ojson& metadata, const std::string& path,
   if (state == meta.end() || !state->is_object()) {
     problems.add(fmt::format("{}: torchpoint metadata has no \"state\" object", path));
   } else {
-    header->state = nlohmann::json::parse(state->dump());
+    header->state = *state;
   }
   auto tensors = meta.find("tensors");
-  if (tensors == meta.end() || !tensors->is_object()) {
+  if (tensors == meta.end() || !tensors->is_array()) {
     problems.add(fmt::format("{}: torchpoint metadata has no \"tensors\" checksums", path));
     return;
   }
   std::unordered_map<std::string_view, std::size_t> index;
   for (std::size_t i = 0; i < header->entries.size(); ++i) index[header->entries[i].name] = i;
   std::unordered_set<std::size_t> listed;
-  for (const auto& [name, value] : tensors->items()) {
+  for (const auto& pair : *tensors) {
+    if (!pair.is_array() || pair.size() != 2 || !pair[0].is_string()) {
+      problems.add(fmt::format("{}: malformed entry {} in \"tensors\"", path, pair.dump()));
+      continue;
+    }
+    const std::string& name = pair[0].get_ref<const std::string&>();
+    const auto& value = pair[1];
     auto found = index.find(name);
     if (found == index.end()) {
       problems.add(fmt::format("{}: tensor '{}' has a checksum but no header entry", path, name));
+      continue;
+    }
+    if (listed.count(found->second)) {
+      problems.add(fmt::format("{}: tensor '{}' is listed twice", path, name));
       continue;
     }
     auto sum = value.is_string() ? parse_checksum_hex(value.get<std::string>()) : std::nullopt;
@@ -230,10 +240,12 @@ ContainerHeader parse_container_header(std::string_view prefix, std::uint64_t fi
   }
   if (!header_ok && !problems.collecting()) return header;
 
-  ojson root;
+  // A std::map-backed object: ordered_json would make 20,000 keys cost quadratic time, and the
+  // data order comes from the offsets anyway.
+  nlohmann::json root;
   try {
-    root = ojson::parse(text);
-  } catch (const ojson::exception& e) {
+    root = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
     problems.add(fmt::format("{}: header is not valid JSON ({})", path, e.what()));
     return header;
   }
@@ -241,7 +253,7 @@ ContainerHeader parse_container_header(std::string_view prefix, std::uint64_t fi
     problems.add(fmt::format("{}: header is not a JSON object", path));
     return header;
   }
-  const ojson* metadata = nullptr;
+  const nlohmann::json* metadata = nullptr;
   for (const auto& [name, value] : root.items()) {
     if (name == kMetadataKey) {
       if (!value.is_object()) {

@@ -49,6 +49,7 @@ AlignedBuffer allocate_aligned(std::size_t size) {
 
 struct PlannedTensor {
   const std::string* name;
+  std::size_t caller_index;
   at::Tensor tensor;  // contiguous, on the CPU
   const DtypeInfo* dtype;
   std::uint64_t begin = 0;
@@ -93,7 +94,7 @@ std::vector<PlannedTensor> plan(const Container& contents) {
     }
     const DtypeInfo& dtype = dtype_info(tensor.scalar_type(), name);
     at::Tensor cpu = tensor.device().is_cpu() ? tensor : tensor.to(c10::kCPU);
-    planned.push_back({&name, cpu.contiguous(), &dtype});
+    planned.push_back({&name, planned.size(), cpu.contiguous(), &dtype});
   }
   std::stable_sort(planned.begin(), planned.end(), [](const auto& a, const auto& b) {
     return a.dtype->size > b.dtype->size;
@@ -116,24 +117,28 @@ std::string build_header(const Container& contents, const std::vector<PlannedTen
     header += fmt::format(":{{\"dtype\":\"{}\",\"shape\":[{}],\"data_offsets\":[{},{}]}},",
                           p.dtype->name, fmt::join(p.tensor.sizes(), ","), p.begin, p.end);
   }
-  // Checksums keyed by name in the caller's order, which is how the reader recovers that order.
-  nlohmann::ordered_json checksums = nlohmann::ordered_json::object();
-  for (const auto& [name, tensor] : contents.tensors) checksums[name] = "";
-  for (const PlannedTensor& p : planned) checksums[*p.name] = checksum_hex(p.checksum);
-  nlohmann::ordered_json meta = {
-      {"format", kFormatName},
-      {"format_version", fmt::format("{}.{}", kFormatMajor, kFormatMinor)},
-      {"torchpoint_version", TORCHPOINT_VERSION},
-      {"tensors", std::move(checksums)},
-      {"state", contents.state.is_null() ? nlohmann::json::object() : contents.state},
-  };
-  std::string meta_text;
+  // [name, checksum] pairs in the caller's order, which is how the reader recovers that order.
+  // Built as text: a JSON object of thousands of keys costs quadratic time in ordered_json.
+  std::vector<std::uint64_t> sums(contents.tensors.size());
+  for (const PlannedTensor& p : planned) sums[p.caller_index] = p.checksum;
+  std::string meta_text = fmt::format(
+      "{{\"format\":\"{}\",\"format_version\":\"{}.{}\",\"torchpoint_version\":\"{}\","
+      "\"tensors\":[",
+      kFormatName, kFormatMajor, kFormatMinor, TORCHPOINT_VERSION);
+  for (std::size_t i = 0; i < contents.tensors.size(); ++i) {
+    if (i > 0) meta_text += ',';
+    meta_text += '[';
+    meta_text += json_string(contents.tensors[i].first, "tensor name");
+    meta_text += fmt::format(",\"{}\"]", checksum_hex(sums[i]));
+  }
+  meta_text += "],\"state\":";
   try {
-    meta_text = meta.dump();
+    meta_text += contents.state.is_null() ? std::string("{}") : contents.state.dump();
   } catch (const nlohmann::json::exception& e) {
     throw Error(ErrorCode::InvalidArgument,
                 fmt::format("the JSON state cannot be written: {}; use UTF-8 strings", e.what()));
   }
+  meta_text += '}';
   header += fmt::format("\"{}\":{{\"{}\":{},\"{}\":\"{}\"}}}}", kMetadataKey, kTorchpointKey,
                         nlohmann::json(meta_text).dump(), kHeaderChecksumKey,
                         std::string(kChecksumHexLength, '0'));

@@ -119,7 +119,7 @@ Manifest parse_manifest(std::string_view bytes, const std::string& path, Problem
     m.created_unix_ms = root.value("created_unix_ms", std::int64_t{0});
     m.info.step = root.at("step").get<std::int64_t>();
     m.info.iteration = root.at("iteration").get<std::int64_t>();
-    m.info.metadata = nlohmann::json::parse(root.value("metadata", ojson::object()).dump());
+    m.info.metadata = root.value("metadata", ojson::object());
     const ojson& files = root.at("files");
     if (!files.is_object()) throw std::runtime_error("\"files\" is not an object");
     for (const auto& [name, f] : files.items()) {

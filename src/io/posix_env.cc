@@ -85,9 +85,16 @@ class PosixFile final : public File {
   std::shared_ptr<MappedRegion> map() override {
     std::uint64_t n = size();
     if (n == 0) return std::make_shared<PosixMappedRegion>(nullptr, 0);
-    // Writable copy-on-write pages, so tensors built on the mapping can be trained in place.
-    void* addr = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_POPULATE, fd_, 0);
+    // Populated read-only first: populating a writable private mapping would copy every page.
+    void* addr = ::mmap(nullptr, n, PROT_READ, MAP_PRIVATE | MAP_POPULATE, fd_, 0);
     if (addr == MAP_FAILED) throw posix_error(fmt::format("mmap of {}", path()), errno);
+    // Then writable, copy-on-write: tensors built on the mapping can be trained in place, and
+    // only the pages actually written are copied; the file never changes.
+    if (::mprotect(addr, n, PROT_READ | PROT_WRITE) != 0) {
+      int err = errno;
+      ::munmap(addr, n);
+      throw posix_error(fmt::format("mprotect of the mapping of {}", path()), err);
+    }
     return std::make_shared<PosixMappedRegion>(addr, n);
   }
 

@@ -41,7 +41,7 @@ What is checked (each rule is one check_* function below, usable from tests):
       multiple of its element size.
   torchpoint (format version 1.x):
     - __metadata__["torchpoint"] is a string holding a JSON object with "format": "torchpoint",
-      "format_version": "1.<minor>", "tensors" mapping every tensor name (and nothing else) to
+      "format_version": "1.<minor>", "tensors" listing [name, checksum] for every tensor (and nothing else), with
       16 lowercase hex digits, and "state", an object;
     - __metadata__["torchpoint_header_xxh3"] is 16 lowercase hex digits and the header's text
       ends with '"torchpoint_header_xxh3":"<16 hex>"}}' followed only by spaces (so it is the
@@ -450,10 +450,17 @@ def check_torchpoint_metadata(path, root, entries):
         problems.append("%s: \"torchpoint_version\" is not a string" % context)
     if not isinstance(meta.get("state"), dict):
         problems.append("%s: \"state\" is missing or not an object" % context)
-    tensors = meta.get("tensors")
-    if not isinstance(tensors, dict):
-        problems.append("%s: \"tensors\" is missing or not an object" % context)
+    pairs = meta.get("tensors")
+    if not isinstance(pairs, list) or not all(
+            isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in pairs):
+        problems.append("%s: \"tensors\" is missing or not a list of [name, checksum] pairs"
+                        % context)
         return meta, problems
+    tensors = {}
+    for name, value in pairs:
+        if name in tensors:
+            problems.append("%s: listed twice in \"tensors\"" % where(path, name))
+        tensors[name] = value
     names = {e.name for e in entries}
     for name, value in tensors.items():
         if name not in names:
@@ -480,11 +487,14 @@ def check_writer_layout(path, root, entries, meta, data_start, data_size, paddin
     the end of the header are fewer than the alignment (8, or 4096 when O_DIRECT was used,
     which the writer does only for >= 1 MiB of data)."""
     problems = []
-    tensors = meta.get("tensors") if isinstance(meta, dict) else None
+    pairs = meta.get("tensors") if isinstance(meta, dict) else None
+    caller_order = [p[0] for p in pairs if isinstance(p, list) and p] \
+        if isinstance(pairs, list) else None
     by_name = {e.name: e for e in entries}
-    if isinstance(tensors, JsonObject) and set(tensors.key_order) == set(by_name) \
+    if caller_order is not None and set(caller_order) == set(by_name) \
+            and len(caller_order) == len(by_name) \
             and len(entries) == len(root.key_order) - (METADATA_KEY in root):
-        order = sorted(tensors.key_order, key=lambda n: -by_name[n].element_size)  # stable
+        order = sorted(caller_order, key=lambda n: -by_name[n].element_size)  # stable
         offset = 0
         for name in order:
             e = by_name[name]

@@ -1,0 +1,175 @@
+// Where a run is in its data: a sampler whose order is a pure function of (seed, epoch) and
+// whose position is what the training loop consumed, so a resumed run sees exactly the batches
+// the interrupted one had not yet seen.
+#pragma once
+
+#include <torch/data/samplers/base.h>
+#include <torch/data/samplers/random.h>
+#include <torch/data/samplers/sequential.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "torchpoint/state_dict.h"
+
+namespace torchpoint {
+
+namespace detail {
+// What every copy of one ResumableSampler shares (LibTorch's DataLoader keeps its own copy).
+struct SamplerCursor {
+  std::size_t size = 0;
+  bool shuffle = true;
+  std::uint64_t seed = 0;
+  std::int64_t epoch = 0;
+  std::size_t consumed = 0;  // samples delivered to the training loop in this epoch
+  std::size_t issued = 0;    // samples handed to the loader (runs ahead with worker prefetch)
+  bool started = false;
+  bool resume_pending = false;  // the next reset() continues the epoch at `consumed`
+  std::int64_t order_epoch = -1;
+  std::vector<std::size_t> order;
+};
+}  // namespace detail
+
+// A sampler for LibTorch's DataLoader that can stop and resume mid-epoch.
+//
+// Each DataLoader::begin() (each `for (auto& batch : *loader)`) starts the next epoch, whose
+// order is a pure function of (seed, epoch) — it draws nothing from torch's global RNG. After
+// load_state_dict() or skip_first_batches(), the next begin() instead continues the saved epoch
+// where it stopped, whatever the loader's reset() does. The saved position counts the batches
+// the training loop received (see track()), not what worker threads prefetched.
+//
+// Example:
+//   torchpoint::ResumableSampler sampler(dataset.size().value(), /*shuffle=*/true, /*seed=*/7);
+//   auto loader = torch::data::make_data_loader(dataset.map(Stack<>()), sampler, 32);
+//   for (auto& batch : sampler.track(*loader)) { ...; if (time_to_save) save(sampler.state_dict()); }
+class ResumableSampler : public torch::data::samplers::Sampler<> {
+ public:
+  ResumableSampler(std::size_t size, bool shuffle = true, std::uint64_t seed = 0);
+
+  // Sampler interface (called by the DataLoader).
+  void reset(c10::optional<std::size_t> new_size = c10::nullopt) override;
+  c10::optional<std::vector<std::size_t>> next(std::size_t batch_size) override;
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
+  // Epoch and position. epoch() is the epoch being (or last) iterated, from 0.
+  std::int64_t epoch() const { return cursor_->epoch; }
+  std::size_t samples_consumed() const { return cursor_->consumed; }
+  std::size_t size() const { return cursor_->size; }
+  // Sets the epoch the next begin() starts (like DistributedSampler::set_epoch).
+  void set_epoch(std::int64_t epoch);
+  // The training loop received `samples` more samples (track() calls this for you).
+  void consume(std::size_t samples);
+  // Makes the next begin() continue the current epoch after its first `batches` batches of
+  // `batch_size`, without reading the skipped samples. Absolute, not relative.
+  void skip_first_batches(std::size_t batches, std::size_t batch_size);
+  // The sample indices of `epoch`, in order.
+  std::vector<std::size_t> order_of(std::int64_t epoch) const;
+
+  // seed, size, shuffle, epoch and consumed samples. Loading checks size, shuffle and seed
+  // (Incompatible otherwise) and makes the next begin() resume the saved epoch.
+  StateDict state_dict() const;
+  void load_state_dict(const StateDict& state);
+
+  // Wraps a DataLoader built with (a copy of) this sampler so that every batch the loop
+  // receives counts as consumed. Range-for over the result.
+  template <typename Loader>
+  class Tracked;
+  template <typename Loader>
+  Tracked<Loader> track(Loader& loader) {
+    return Tracked<Loader>(loader, *this);
+  }
+
+ private:
+  void ensure_order() const;
+  std::shared_ptr<detail::SamplerCursor> cursor_;
+};
+
+template <typename Loader>
+class ResumableSampler::Tracked {
+ public:
+  Tracked(Loader& loader, ResumableSampler& sampler) : loader_(loader), sampler_(sampler) {}
+
+  class iterator {
+   public:
+    using inner = decltype(std::declval<Loader&>().begin());
+    iterator(inner it, ResumableSampler* sampler, std::size_t batch_size)
+        : it_(std::move(it)), sampler_(sampler), batch_size_(batch_size) {}
+    // Counting on delivery, not on ++: a checkpoint taken inside the loop body must count the
+    // batch the body is processing.
+    decltype(auto) operator*() {
+      if (!counted_ && sampler_ != nullptr) {
+        sampler_->consume(batch_size_);
+        counted_ = true;
+      }
+      return *it_;
+    }
+    iterator& operator++() {
+      ++it_;
+      counted_ = false;
+      return *this;
+    }
+    bool operator!=(const iterator& other) const { return it_ != other.it_; }
+    bool operator==(const iterator& other) const { return it_ == other.it_; }
+
+   private:
+    inner it_;
+    ResumableSampler* sampler_;
+    std::size_t batch_size_;
+    bool counted_ = false;
+  };
+
+  iterator begin() { return iterator(loader_.begin(), &sampler_, loader_.options().batch_size); }
+  iterator end() { return iterator(loader_.end(), nullptr, 0); }
+
+ private:
+  Loader& loader_;
+  ResumableSampler& sampler_;
+};
+
+// LibTorch's own samplers: their index and permutation, read and written through their
+// archive methods (RandomSampler draws its permutation from the global RNG, so restore the RNG
+// state too, or prefer ResumableSampler).
+StateDict sampler_state_dict(const torch::data::samplers::RandomSampler& sampler);
+void load_sampler_state_dict(torch::data::samplers::RandomSampler& sampler, const StateDict& state);
+StateDict sampler_state_dict(const torch::data::samplers::SequentialSampler& sampler);
+void load_sampler_state_dict(torch::data::samplers::SequentialSampler& sampler,
+                             const StateDict& state);
+
+// Counters of a run, saved as exact integers.
+struct TrainingCounters {
+  std::int64_t epoch = 0;           // epochs completed
+  std::int64_t step = 0;            // optimizer steps taken
+  std::int64_t batch_in_epoch = 0;  // batches consumed in the current epoch
+  std::int64_t samples_seen = 0;    // samples consumed since the start of the run
+
+  StateDict state_dict() const;
+  void load_state_dict(const StateDict& state);
+};
+
+// Metric history: one value per epoch for each (set, metric), e.g. ("train", "loss"). Values
+// are stored as float64 tensors, so they come back bit for bit (NaN and infinities included).
+class MetricRecords {
+ public:
+  void record(const std::string& set, const std::string& metric, double value);
+  // The values of (set, metric) in the order recorded; empty if none.
+  const std::vector<double>& values(const std::string& set, const std::string& metric) const;
+  // (set, metric) pairs in the order first recorded.
+  std::vector<std::pair<std::string, std::string>> series() const;
+  bool empty() const { return series_.empty(); }
+
+  StateDict state_dict() const;
+  void load_state_dict(const StateDict& state);
+
+ private:
+  struct Series {
+    std::string set;
+    std::string metric;
+    std::vector<double> values;
+  };
+  std::vector<Series> series_;
+};
+
+}  // namespace torchpoint

@@ -1,0 +1,51 @@
+// Optimizer state for LibTorch 1.13's six optimizers (SGD, Adam, AdamW, RMSprop, Adagrad,
+// LBFGS): every per-parameter state tensor and counter, keyed by (group, position) rather than
+// by tensor address, and every param-group option.
+#pragma once
+
+#include <torch/optim/optimizer.h>
+
+#include <memory>
+#include <string>
+
+#include "torchpoint/state_dict.h"
+
+namespace torchpoint {
+
+// The state of `optimizer`:
+//   type                              "Adam", "SGD", ...
+//   param_groups.count                number of groups
+//   param_groups.<g>.num_params       parameters in group g
+//   param_groups.<g>.<option>         lr, betas, eps, weight_decay, momentum, ...
+//   state.<g>.<i>.<field>             per-parameter state of the i-th parameter of group g
+// Tensors are detached views: save them before the next step. Throws Unsupported for an
+// optimizer type torchpoint does not know (wrap it in your own Stateful instead).
+StateDict optimizer_state_dict(const torch::optim::Optimizer& optimizer);
+
+// Restores `state` into `optimizer`, whose param groups must hold the same number of
+// parameters with the same shapes as when it was saved. Everything is checked before anything
+// changes: another optimizer type, another group layout or a state tensor whose shape differs
+// from its parameter's is an Incompatible error, and the optimizer is left untouched.
+//
+// Example:
+//   torch::optim::Adam adam(model->parameters());
+//   torchpoint::load_optimizer_state_dict(adam, checkpoint.child("optimizer"));
+void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const StateDict& state);
+
+// The optimizer's type name as used in its state ("Adam"), or "" when unknown.
+std::string optimizer_type_name(const torch::optim::Optimizer& optimizer);
+
+// An optimizer as a Stateful object. Holds a shared pointer, or refers to an optimizer the
+// caller keeps alive (see AnyStateful::ref).
+class OptimizerState {
+ public:
+  explicit OptimizerState(std::shared_ptr<torch::optim::Optimizer> optimizer)
+      : optimizer_(std::move(optimizer)) {}
+  StateDict state_dict() const { return optimizer_state_dict(*optimizer_); }
+  void load_state_dict(const StateDict& state) { load_optimizer_state_dict(*optimizer_, state); }
+
+ private:
+  std::shared_ptr<torch::optim::Optimizer> optimizer_;
+};
+
+}  // namespace torchpoint
