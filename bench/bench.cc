@@ -5,11 +5,9 @@
 //   torchpoint_bench [--reps N] [--states S1,S2,S3] [--dir PATH] [--hot] [--no-recycle]
 //                    [--quick] [--json]
 #include <fcntl.h>
-#include <fmt/format.h>
 #include <malloc.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <torch/torch.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -23,13 +21,15 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <functional>
-#include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>
 #include <system_error>
 #include <thread>
 #include <vector>
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+#include <nlohmann/json.hpp>
 
 #include "torchpoint/tensor_file.h"
 
@@ -639,7 +639,8 @@ void Bench::print_table(std::FILE* out) const {
                               "page-cache pages)"
                             : "no page recycling");
   fmt::print(out,
-             "torch {}.{}.{}, {} intra-op thread(s), {} CPUs, load average {} before / {} after; "
+             "LibTorch {}.{}.{} (its version.h), {} intra-op thread(s), {} CPUs, load average {} "
+             "before / {} after; "
              "GB/s = 1e9 payload bytes/s\n",
              TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH,
              torch::get_num_threads(), std::thread::hardware_concurrency(), load_before_,

@@ -50,7 +50,7 @@ void expect_same(const Container& a, const Container& b) {
     EXPECT_TRUE(bitwise_equal(a.tensors[i].second, b.tensors[i].second)) << a.tensors[i].first;
   }
   // A null state is saved as an empty object.
-  EXPECT_EQ(a.state.is_null() ? nlohmann::json::object() : a.state, b.state);
+  EXPECT_EQ(a.state.is_null() ? Json::object() : a.state, b.state);
 }
 
 Container mixed_container() {
