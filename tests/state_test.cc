@@ -1,0 +1,278 @@
+// StateDict, AnyStateful, the resumable sampler, counters and metric records.
+#include <torch/torch.h>
+
+#include <limits>
+
+#include "testing/test_util.h"
+#include "torchpoint/data_position.h"
+#include "torchpoint/error.h"
+#include "torchpoint/state_dict.h"
+#include "torchpoint/tensor_file.h"
+
+namespace torchpoint {
+namespace {
+
+using testing::TempDir;
+
+StateDict round_trip(const StateDict& sd) {
+  TempDir dir;
+  save_file(dir / "s.safetensors", sd.to_container());
+  return StateDict::from_container(load_file(dir / "s.safetensors"));
+}
+
+TEST(StateDict, KeepsOrderKindsAndExactValuesThroughAFile) {
+  StateDict sd;
+  sd.set("z.weight", torch::randn({3, 2}));
+  sd.set("epoch", 7);
+  sd.set("a.bias", torch::arange(4));
+  sd.set("name", "run-1");
+  sd.set_double("best", std::numeric_limits<double>::infinity());
+  sd.set_double("nan", std::numeric_limits<double>::quiet_NaN());
+  sd.set("lr", 0.1 + 0.2);
+  StateDict back = round_trip(sd);
+  EXPECT_EQ(back.keys(), sd.keys());
+  EXPECT_TRUE(back.tensor("z.weight").equal(sd.tensor("z.weight")));
+  EXPECT_EQ(back.get<int>("epoch"), 7);
+  EXPECT_EQ(back.get<std::string>("name"), "run-1");
+  EXPECT_EQ(back.get_double("best"), std::numeric_limits<double>::infinity());
+  EXPECT_TRUE(std::isnan(back.get_double("nan")));
+  EXPECT_EQ(back.get<double>("lr"), 0.1 + 0.2);  // bit-exact through JSON
+}
+
+TEST(StateDict, NestsByPrefix) {
+  StateDict model;
+  model.set("fc.weight", torch::ones({2}));
+  StateDict root;
+  root.set_child("model", model);
+  root.set("step", 3);
+  EXPECT_EQ(root.keys(), (std::vector<std::string>{"model.fc.weight", "step"}));
+  EXPECT_EQ(root.top_level_names(), (std::vector<std::string>{"model", "step"}));
+  StateDict child = root.child("model");
+  EXPECT_EQ(child.keys(), std::vector<std::string>{"fc.weight"});
+  EXPECT_TRUE(root.has_child("model"));
+  EXPECT_FALSE(root.has_child("optimizer"));
+}
+
+TEST(StateDict, MissingAndWrongKindKeysAreClearErrors) {
+  StateDict sd;
+  sd.set_description("scheduler");
+  sd.set("t", torch::ones({1}));
+  sd.set("v", 1);
+  try {
+    sd.tensor("nope");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::NotFound);
+    EXPECT_NE(std::string(e.what()).find("scheduler has no tensor 'nope'"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(sd.value("t"), Error);
+  EXPECT_THROW(sd.tensor("v"), Error);
+  try {
+    sd.get<std::string>("v");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::Incompatible);
+  }
+}
+
+struct Counter {
+  int n = 0;
+  StateDict state_dict() const {
+    StateDict s;
+    s.set("n", n);
+    return s;
+  }
+  void load_state_dict(const StateDict& s) { n = s.get<int>("n"); }
+};
+static_assert(Stateful<Counter>);
+static_assert(!Stateful<int>);
+static_assert(!Stateful<torch::Tensor>);
+
+TEST(AnyStateful, HoldsByReferenceSharedPointerOrValue) {
+  Counter by_ref{3};
+  auto shared = std::make_shared<Counter>(Counter{5});
+  std::vector<AnyStateful> all = {AnyStateful::ref(by_ref), AnyStateful(shared),
+                                  AnyStateful::value(Counter{9})};
+  std::vector<StateDict> saved;
+  for (const auto& a : all) saved.push_back(a.state_dict());
+  by_ref.n = 0;
+  shared->n = 0;
+  for (std::size_t i = 0; i < all.size(); ++i) all[i].load_state_dict(saved[i]);
+  EXPECT_EQ(by_ref.n, 3);
+  EXPECT_EQ(shared->n, 5);
+  EXPECT_EQ(all[2].state_dict().get<int>("n"), 9);
+}
+
+// A dataset of n examples whose data is the example index, so batches show the order.
+struct IndexDataset : torch::data::datasets::Dataset<IndexDataset> {
+  explicit IndexDataset(std::size_t n) : n(n) {}
+  torch::data::Example<> get(std::size_t i) override {
+    return {torch::full({1}, static_cast<double>(i)), torch::zeros({1})};
+  }
+  c10::optional<std::size_t> size() const override { return n; }
+  std::size_t n;
+};
+
+std::vector<std::int64_t> indices_of(const torch::data::Example<>& batch) {
+  auto t = batch.data.to(torch::kLong).flatten();
+  return std::vector<std::int64_t>(t.data_ptr<std::int64_t>(), t.data_ptr<std::int64_t>() + t.numel());
+}
+
+template <typename Loader>
+std::vector<std::vector<std::int64_t>> run_epochs(Loader& loader, ResumableSampler& sampler,
+                                                  int epochs, int stop_after_batches = -1,
+                                                  StateDict* saved = nullptr) {
+  std::vector<std::vector<std::int64_t>> seen;
+  int count = 0;
+  for (int e = 0; e < epochs; ++e) {
+    for (auto& batch : sampler.track(loader)) {
+      seen.push_back(indices_of(batch));
+      if (++count == stop_after_batches) {
+        if (saved) *saved = sampler.state_dict();
+        return seen;
+      }
+    }
+  }
+  return seen;
+}
+
+class SamplerResume : public ::testing::TestWithParam<std::size_t> {};  // worker count
+
+TEST_P(SamplerResume, MidEpochResumeSeesExactlyTheRemainingBatches) {
+  const std::size_t workers = GetParam();
+  auto make_loader = [&](ResumableSampler& sampler) {
+    return torch::data::make_data_loader(
+        IndexDataset(50).map(torch::data::transforms::Stack<>()), sampler,
+        torch::data::DataLoaderOptions().batch_size(4).workers(workers));
+  };
+  ResumableSampler reference(50, /*shuffle=*/true, /*seed=*/11);
+  auto ref_loader = make_loader(reference);
+  auto expected = run_epochs(*ref_loader, reference, 3);
+  ASSERT_EQ(expected.size(), 39u);  // 13 batches per epoch
+
+  for (int stop : {1, 5, 13, 14, 20, 26, 27}) {
+    SCOPED_TRACE(fmt::format("stop after {} batches, {} workers", stop, workers));
+    ResumableSampler first(50, true, 11);
+    auto loader = make_loader(first);
+    StateDict saved;
+    auto before = run_epochs(*loader, first, 3, stop, &saved);
+    saved = round_trip(saved);
+
+    ResumableSampler second(50, true, 11);
+    auto loader2 = make_loader(second);
+    second.load_state_dict(saved);
+    int remaining_epochs = 3 - static_cast<int>(second.epoch()) - (stop % 13 == 0 ? 1 : 0);
+    auto after = run_epochs(*loader2, second, remaining_epochs);
+    before.insert(before.end(), after.begin(), after.end());
+    EXPECT_EQ(before, expected);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Workers, SamplerResume, ::testing::Values(0u, 2u));
+
+TEST(Sampler, OrderIsAPureFunctionOfSeedAndEpoch) {
+  ResumableSampler a(100, true, 3), b(100, true, 3), c(100, true, 4);
+  EXPECT_EQ(a.order_of(5), b.order_of(5));
+  EXPECT_NE(a.order_of(5), a.order_of(6));
+  EXPECT_NE(a.order_of(5), c.order_of(5));
+  auto order = a.order_of(0);
+  std::sort(order.begin(), order.end());
+  for (std::size_t i = 0; i < 100; ++i) ASSERT_EQ(order[i], i);
+  torch::manual_seed(0);
+  auto before = torch::randn({3});
+  torch::manual_seed(0);
+  (void)ResumableSampler(100, true, 3).order_of(2);
+  EXPECT_TRUE(torch::randn({3}).equal(before)) << "the sampler must not draw from torch's RNG";
+  ResumableSampler sequential(5, false);
+  EXPECT_EQ(sequential.order_of(3), (std::vector<std::size_t>{0, 1, 2, 3, 4}));
+}
+
+TEST(Sampler, SkipFirstBatchesDoesNotReadSkippedSamplesAndNextEpochIsWhole) {
+  std::vector<std::size_t> reads;
+  struct Recording : torch::data::datasets::Dataset<Recording> {
+    std::vector<std::size_t>* reads;
+    torch::data::Example<> get(std::size_t i) override {
+      reads->push_back(i);
+      return {torch::full({1}, static_cast<double>(i)), torch::zeros({1})};
+    }
+    c10::optional<std::size_t> size() const override { return 20; }
+  };
+  Recording ds;
+  ds.reads = &reads;
+  ResumableSampler sampler(20, true, 1);
+  auto loader = torch::data::make_data_loader(ds.map(torch::data::transforms::Stack<>()), sampler,
+                                              torch::data::DataLoaderOptions().batch_size(4));
+  sampler.skip_first_batches(3, 4);
+  std::vector<std::int64_t> first_epoch;
+  for (auto& batch : sampler.track(*loader)) {
+    for (auto i : indices_of(batch)) first_epoch.push_back(i);
+  }
+  auto order = sampler.order_of(0);
+  EXPECT_EQ(first_epoch, std::vector<std::int64_t>(order.begin() + 12, order.end()));
+  EXPECT_EQ(reads.size(), 8u) << "the 12 skipped samples must not be read";
+  EXPECT_EQ(sampler.epoch(), 0);
+  std::size_t second = 0;
+  for (auto& batch : sampler.track(*loader)) second += indices_of(batch).size();
+  EXPECT_EQ(second, 20u);
+  EXPECT_EQ(sampler.epoch(), 1);
+}
+
+TEST(Sampler, StateOfAnotherDataSetIsIncompatible) {
+  ResumableSampler a(10, true, 1), b(11, true, 1);
+  try {
+    b.load_state_dict(a.state_dict());
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::Incompatible);
+    EXPECT_NE(std::string(e.what()).find("10 samples"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Sampler, LibTorchSamplersRoundTrip) {
+  torch::manual_seed(1);
+  torch::data::samplers::RandomSampler random(30);
+  random.next(7);
+  StateDict sd = round_trip(sampler_state_dict(random));
+  auto expected = random.next(5);
+  torch::manual_seed(99);
+  torch::data::samplers::RandomSampler other(30);
+  load_sampler_state_dict(other, sd);
+  EXPECT_EQ(other.index(), 7u);
+  EXPECT_EQ(other.next(5), expected);
+
+  torch::data::samplers::SequentialSampler seq(10);
+  seq.next(4);
+  torch::data::samplers::SequentialSampler seq2(10);
+  load_sampler_state_dict(seq2, round_trip(sampler_state_dict(seq)));
+  EXPECT_EQ(seq2.index(), 4u);
+  EXPECT_THROW(load_sampler_state_dict(random, sampler_state_dict(seq)), Error);
+}
+
+TEST(Counters, RoundTripExactly) {
+  TrainingCounters c{3, 1234567890123, 17, 99999};
+  TrainingCounters back;
+  back.load_state_dict(round_trip(c.state_dict()));
+  EXPECT_EQ(back.epoch, 3);
+  EXPECT_EQ(back.step, 1234567890123);
+  EXPECT_EQ(back.batch_in_epoch, 17);
+  EXPECT_EQ(back.samples_seen, 99999);
+}
+
+TEST(Records, RoundTripBitForBit) {
+  MetricRecords r;
+  r.record("train", "loss", 0.1 + 0.2);
+  r.record("valid", "loss", std::numeric_limits<double>::infinity());
+  r.record("train", "loss", 1.0 / 3.0);
+  r.record("train", "mae", std::numeric_limits<double>::quiet_NaN());
+  MetricRecords back;
+  back.load_state_dict(round_trip(r.state_dict()));
+  EXPECT_EQ(back.series(), r.series());
+  EXPECT_EQ(back.values("train", "loss"), (std::vector<double>{0.1 + 0.2, 1.0 / 3.0}));
+  EXPECT_EQ(back.values("valid", "loss")[0], std::numeric_limits<double>::infinity());
+  EXPECT_TRUE(std::isnan(back.values("train", "mae")[0]));
+  EXPECT_TRUE(back.values("test", "loss").empty());
+}
+
+}  // namespace
+}  // namespace torchpoint
