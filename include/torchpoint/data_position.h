@@ -69,7 +69,9 @@ class ResumableSampler : public torch::data::samplers::Sampler<> {
   std::vector<std::size_t> order_of(std::int64_t epoch) const;
 
   // seed, size, shuffle, epoch and consumed samples. Loading checks size, shuffle and seed
-  // (Incompatible otherwise) and makes the next begin() resume the saved epoch.
+  // (Incompatible otherwise) and makes the next begin() resume the saved epoch, even when it
+  // has no batch left (a run interrupted after the last batch of an epoch, before its
+  // end-of-epoch work, then finishes that epoch); the begin() after that starts the next.
   StateDict state_dict() const;
   void load_state_dict(const StateDict& state);
 

@@ -150,9 +150,9 @@ void ResumableSampler::load_state_dict(const StateDict& state) {
   cursor_->epoch = state.get<std::int64_t>("epoch");
   cursor_->consumed = consumed;
   cursor_->started = state.get<bool>("started");
-  // A saved epoch that was fully consumed ends there: the next begin() starts the next one.
-  cursor_->resume_pending = cursor_->started && consumed < size;
-  if (cursor_->started && consumed == size) cursor_->resume_pending = false;
+  // The next begin() continues the saved epoch, even one with nothing left: the loop that was
+  // interrupted after its last batch still has its end-of-epoch work to do.
+  cursor_->resume_pending = cursor_->started;
   cursor_->order_epoch = -1;
 }
 
@@ -170,7 +170,7 @@ void ResumableSampler::load(torch::serialize::InputArchive& archive) {
   cursor_->epoch = epoch.item<std::int64_t>();
   cursor_->consumed = std::min<std::size_t>(consumed.item<std::int64_t>(), cursor_->size);
   cursor_->started = true;
-  cursor_->resume_pending = cursor_->consumed < cursor_->size;
+  cursor_->resume_pending = true;
   cursor_->order_epoch = -1;
 }
 
