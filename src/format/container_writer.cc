@@ -29,7 +29,8 @@ namespace torchpoint {
 namespace {
 
 constexpr std::size_t kChunkSize = 8u << 20;     // bytes per write call
-constexpr std::size_t kChunkCount = 3;           // one filling, up to two being written
+constexpr std::size_t kWriters = 2;              // writes in flight: the device overlaps them
+constexpr std::size_t kChunkCount = kWriters + 2;  // one filling, one ready, the rest in flight
 constexpr std::size_t kHashPiece = 256u << 10;   // copy then hash this much while it is in cache
 constexpr std::size_t kDirectAlign = 4096;       // O_DIRECT offset, size and buffer alignment
 constexpr std::uint64_t kDirectMinBytes = 1u << 20;
@@ -154,19 +155,12 @@ class ChunkPipeline {
     for (std::size_t i = 0; i < (threaded ? kChunkCount : 1); ++i) {
       free_.push_back(allocate_aligned(kChunkSize));
     }
-    if (threaded_) worker_ = std::thread([this] { run(); });
-  }
-
-  ~ChunkPipeline() {
-    if (worker_.joinable()) {
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        stop_ = true;
-      }
-      cv_.notify_all();
-      worker_.join();
+    if (threaded_) {
+      for (std::size_t i = 0; i < kWriters; ++i) workers_.emplace_back([this] { run(); });
     }
   }
+
+  ~ChunkPipeline() { join(); }
 
   AlignedBuffer acquire() {
     std::unique_lock<std::mutex> lock(mutex_);
@@ -194,12 +188,7 @@ class ChunkPipeline {
   // Waits until every submitted chunk is written; rethrows the first write error.
   void finish() {
     if (!threaded_) return;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    worker_.join();
+    join();
     rethrow_locked();
   }
 
@@ -212,6 +201,17 @@ class ChunkPipeline {
 
   void rethrow_locked() {
     if (error_) std::rethrow_exception(error_);
+  }
+
+  void join() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (std::thread& t : workers_) {
+      if (t.joinable()) t.join();
+    }
   }
 
   void run() {
@@ -228,7 +228,7 @@ class ChunkPipeline {
         file_.write_all(job.buffer.get(), job.size, job.offset);
       } catch (...) {
         std::lock_guard<std::mutex> lock(mutex_);
-        error_ = std::current_exception();
+        if (!error_) error_ = std::current_exception();
         cv_.notify_all();
         return;
       }
@@ -248,7 +248,7 @@ class ChunkPipeline {
   std::deque<Job> pending_;
   std::exception_ptr error_;
   bool stop_ = false;
-  std::thread worker_;
+  std::vector<std::thread> workers_;
 };
 
 // Streams every tensor's bytes into the file from `data_start` on, computing the checksums.
