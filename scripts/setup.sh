@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(
-  g++ cmake ninja-build ccache python3
+  g++ cmake ninja-build ccache python3 python3-torch
   libtorch-dev nlohmann-json3-dev libxxhash-dev libfmt-dev libcli11-dev
   googletest libgtest-dev libbenchmark-dev
 )
