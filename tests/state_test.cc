@@ -277,3 +277,79 @@ TEST(Records, RoundTripBitForBit) {
 
 }  // namespace
 }  // namespace torchpoint
+
+#include "torchpoint/module_state.h"
+#include "torchpoint/optimizer_state.h"
+#include "torchpoint/stateful_set.h"
+
+namespace torchpoint {
+namespace {
+
+TEST(StatefulSet, MissingOrUnknownComponentsAreErrorsUnlessOptedOut) {
+  Counter a{1}, b{2};
+  StatefulSet set;
+  set.add("a", AnyStateful::ref(a));
+  set.add("b", AnyStateful::ref(b));
+  StateDict saved = set.state_dict();
+  EXPECT_EQ(saved.keys(), (std::vector<std::string>{"a.n", "b.n"}));
+
+  StateDict partial;
+  partial.set_child("a", saved.child("a"));
+  partial.set("extra.x", 1);
+  a.n = 10;
+  try {
+    set.restore(partial);
+    FAIL();
+  } catch (const Error& e) {
+    std::string m = e.what();
+    EXPECT_EQ(e.code(), ErrorCode::Incompatible);
+    EXPECT_NE(m.find("registered but not in the checkpoint: b"), std::string::npos) << m;
+    EXPECT_NE(m.find("in the checkpoint but not registered: extra"), std::string::npos) << m;
+  }
+  EXPECT_EQ(a.n, 10) << "nothing may change when the names do not match";
+
+  set.allow_missing("b");
+  set.allow_unknown("extra");
+  RestoreReport r = set.restore(partial);
+  EXPECT_EQ(r.restored, std::vector<std::string>{"a"});
+  EXPECT_EQ(r.skipped_missing, std::vector<std::string>{"b"});
+  EXPECT_EQ(r.skipped_unknown, std::vector<std::string>{"extra"});
+  EXPECT_EQ(a.n, 1);
+  EXPECT_THROW(set.add("a", AnyStateful::ref(b)), Error);
+  EXPECT_THROW(set.add("bad.name", AnyStateful::ref(b)), Error);
+}
+
+TEST(StatefulSet, AFailedComponentPutsBackTheOnesAlreadyRestored) {
+  torch::manual_seed(0);
+  auto model = torch::nn::Linear(4, 3);
+  auto adam = std::make_shared<torch::optim::Adam>(model->parameters());
+  StatefulSet set;
+  set.add("model", ModuleState(model.ptr()));
+  set.add("optimizer", OptimizerState(adam));
+  StateDict saved = set.state_dict();
+  saved = StateDict(saved);  // a copy whose model tensors we may replace
+  saved.set("model.weight", torch::full({3, 4}, 7.0));
+  saved.set("optimizer.type", "SGD");  // the optimizer part will refuse to load
+  auto before = model->weight.clone();
+  EXPECT_THROW(set.restore(saved), Error);
+  EXPECT_TRUE(model->weight.equal(before)) << "the model must be put back";
+}
+
+TEST(StatefulSet, RestoreLastComponentsGoLast) {
+  std::vector<std::string> order;
+  struct Probe {
+    std::string name;
+    std::vector<std::string>* order;
+    StateDict state_dict() const { StateDict s; s.set("x", 1); return s; }
+    void load_state_dict(const StateDict&) { order->push_back(name); }
+  };
+  StatefulSet set;
+  set.add("rng", Probe{"rng", &order}, /*restore_last=*/true);
+  set.add("model", Probe{"model", &order});
+  set.add("sampler", Probe{"sampler", &order});
+  set.restore(set.state_dict());
+  EXPECT_EQ(order, (std::vector<std::string>{"model", "sampler", "rng"}));
+}
+
+}  // namespace
+}  // namespace torchpoint

@@ -141,6 +141,11 @@ void load_sampler_state_dict(torch::data::samplers::SequentialSampler& sampler,
                              const StateDict& state);
 
 // Counters of a run, saved as exact integers.
+//
+// Example:
+//   torchpoint::TrainingCounters counters;
+//   ++counters.step;
+//   state.set_child("counters", counters.state_dict());
 struct TrainingCounters {
   std::int64_t epoch = 0;           // epochs completed
   std::int64_t step = 0;            // optimizer steps taken
@@ -153,6 +158,11 @@ struct TrainingCounters {
 
 // Metric history: one value per epoch for each (set, metric), e.g. ("train", "loss"). Values
 // are stored as float64 tensors, so they come back bit for bit (NaN and infinities included).
+//
+// Example:
+//   torchpoint::MetricRecords records;
+//   records.record("train", "loss", 1.237);
+//   records.values("train", "loss");  // {1.237}
 class MetricRecords {
  public:
   void record(const std::string& set, const std::string& metric, double value);

@@ -47,6 +47,33 @@ void save_file(const std::string& path, const Container& contents, Env& env = En
 // Incompatible (a newer major format version). Nothing is returned unless every check passed.
 Container load_file(const std::string& path, Env& env = Env::posix());
 
+// Reads single tensors of a container file without reading the others: the constructor reads
+// and validates the header only; read() reads one tensor's bytes and checks its checksum.
+//
+// Example:
+//   torchpoint::TensorFileReader reader("model.safetensors");
+//   at::Tensor w = reader.read("fc.weight");
+class TensorFileReader {
+ public:
+  // Throws NotFound, Corruption or Incompatible as load_file() does for the header.
+  explicit TensorFileReader(const std::string& path, Env& env = Env::posix());
+  ~TensorFileReader();
+  TensorFileReader(TensorFileReader&&) noexcept;
+  TensorFileReader& operator=(TensorFileReader&&) noexcept;
+
+  // Tensor names in the writer's order.
+  std::vector<std::string> names() const;
+  bool contains(const std::string& name) const;
+  const Json& state() const;
+  // A fresh tensor holding `name`'s data. Throws NotFound for an unknown name, Corruption when
+  // its checksum does not match.
+  at::Tensor read(const std::string& name) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
 // Every problem found in a file or directory checkpoint, not only the first.
 struct VerifyReport {
   std::string path;

@@ -375,6 +375,58 @@ Container load_container(Env& env, const std::string& path, std::uint64_t* heade
   return out;
 }
 
+struct TensorFileReader::Impl {
+  std::string path;
+  std::unique_ptr<File> file;
+  ContainerHeader header;
+  std::unordered_map<std::string, std::size_t> index;  // name -> entry
+};
+
+TensorFileReader::TensorFileReader(const std::string& path, Env& env)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->path = path;
+  impl_->file = env.open(path, OpenMode::Read);
+  Problems throwing;
+  impl_->header = read_container_header(*impl_->file, path, throwing);
+  for (std::size_t i = 0; i < impl_->header.entries.size(); ++i) {
+    impl_->index.emplace(impl_->header.entries[i].name, i);
+  }
+}
+
+TensorFileReader::~TensorFileReader() = default;
+TensorFileReader::TensorFileReader(TensorFileReader&&) noexcept = default;
+TensorFileReader& TensorFileReader::operator=(TensorFileReader&&) noexcept = default;
+
+std::vector<std::string> TensorFileReader::names() const {
+  std::vector<std::string> out;
+  for (std::size_t i : impl_->header.caller_order) out.push_back(impl_->header.entries[i].name);
+  return out;
+}
+
+bool TensorFileReader::contains(const std::string& name) const {
+  return impl_->index.count(name) > 0;
+}
+
+const Json& TensorFileReader::state() const { return impl_->header.state; }
+
+at::Tensor TensorFileReader::read(const std::string& name) const {
+  auto it = impl_->index.find(name);
+  if (it == impl_->index.end()) {
+    throw Error(ErrorCode::NotFound, fmt::format("{} has no tensor '{}'", impl_->path, name));
+  }
+  const TensorEntry& e = impl_->header.entries[it->second];
+  at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(e.dtype.type));
+  impl_->file->read_exact(t.data_ptr(), e.end - e.begin, impl_->header.data_start + e.begin);
+  std::uint64_t actual = xxh3(t.data_ptr(), e.end - e.begin);
+  if (actual != e.checksum) {
+    throw Error(ErrorCode::Corruption,
+                fmt::format("{}: tensor '{}' fails its checksum (stored {}, computed {}): its "
+                            "data is corrupt",
+                            impl_->path, name, checksum_hex(e.checksum), checksum_hex(actual)));
+  }
+  return t;
+}
+
 // Implemented here for files; directory checkpoints are checked in directory.cc.
 VerifyReport verify_directory(const std::string& path, Env& env);
 

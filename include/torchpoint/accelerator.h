@@ -1,0 +1,225 @@
+// Accelerator: Hugging Face Accelerate's checkpointing API for people who write their own
+// training loop — save_state / load_state of everything the run holds, automatic checkpoint
+// naming under a project directory, register_for_checkpointing and skip_first_batches.
+//
+// Differences from Accelerate, on purpose: a checkpoint is committed atomically and verified
+// on load; old checkpoints are deleted only after a new one is committed (numeric order); the
+// iteration is restored by load_state; a failure to restore RNG state is an error; the data
+// position is saved, so a resumed run continues mid-epoch exactly.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "torchpoint/data_loader.h"
+#include "torchpoint/env.h"
+#include "torchpoint/grad_scaler.h"
+#include "torchpoint/lr_scheduler.h"
+#include "torchpoint/rng_state.h"
+#include "torchpoint/state_dict.h"
+
+namespace torchpoint {
+
+// Where and how checkpoints are named, with Accelerate's fields and defaults.
+struct ProjectConfiguration {
+  // Root of the project; checkpoints go to <project_dir>/checkpoints/checkpoint_<n> with
+  // automatic naming.
+  TORCH_ARG(std::string, project_dir) = "";
+  TORCH_ARG(bool, automatic_checkpoint_naming) = false;
+  // With automatic naming, keep at most this many checkpoints (none: keep all).
+  TORCH_ARG(std::optional<std::int64_t>, total_limit) = std::nullopt;
+  // The number of the next automatically named checkpoint.
+  TORCH_ARG(std::int64_t, iteration) = 0;
+};
+
+// What load_state() restored.
+struct LoadStateReport {
+  std::string path;                      // the checkpoint loaded
+  std::vector<std::string> components;   // file names restored, RNG last
+  std::vector<std::string> skipped;      // newer checkpoints passed over as invalid, with why
+  std::int64_t step = 0;
+};
+
+class Accelerator {
+ public:
+  // Example:
+  //   torchpoint::Accelerator acc(torchpoint::ProjectConfiguration()
+  //                                   .project_dir("runs/exp1")
+  //                                   .automatic_checkpoint_naming(true)
+  //                                   .total_limit(3));
+  explicit Accelerator(ProjectConfiguration config = {}, Env& env = Env::posix());
+  // Accelerator(project_dir="...") as in Accelerate.
+  explicit Accelerator(const std::string& project_dir) : Accelerator(ProjectConfiguration().project_dir(project_dir)) {}
+
+  // The device to train on: the first CUDA device when there is one, else the CPU.
+  torch::Device device() const;
+  const ProjectConfiguration& project_configuration() const { return config_; }
+  const std::string& project_dir() const { return config_.project_dir(); }
+  // Backward passes run through backward() since the start of the run (restored by load_state).
+  std::int64_t step() const { return step_; }
+
+  // Registers objects whose state save_state() writes and load_state() restores, and returns
+  // them unchanged, so `auto [model, opt, loader] = acc.prepare(model, opt, loader);` works.
+  // Accepts modules (ModuleHolder or shared_ptr), optimizers (shared_ptr, or a reference the
+  // caller keeps alive), ResumableDataLoader / ResumableSampler pointers, LR schedulers and a
+  // GradScaler (references or shared_ptr). Registration order names the files: model.safetensors,
+  // model_1.safetensors, ...
+  template <typename... Ts>
+  decltype(auto) prepare(Ts&&... objects) {
+    if constexpr (sizeof...(Ts) == 1) {
+      return prepare_one(std::forward<Ts>(objects)...);
+    } else {
+      // Braces: the objects are registered left to right, which names their files.
+      return std::tuple<decltype(prepare_one(std::forward<Ts>(objects)))...>{
+          prepare_one(std::forward<Ts>(objects))...};
+    }
+  }
+
+  // loss.backward(), through the GradScaler's scale when one is prepared; counts a step.
+  void backward(const at::Tensor& loss);
+  // optimizer.step(), through the GradScaler (unscale, skip on inf/NaN, update) when one is
+  // prepared. Returns whether the optimizer stepped.
+  bool optimizer_step(torch::optim::Optimizer& optimizer);
+
+  // Registers any object with state_dict()/load_state_dict(), saved as custom_checkpoint_<i>
+  // in registration order. An object without those methods does not compile.
+  template <typename... Ts>
+  void register_for_checkpointing(Ts&&... objects) {
+    (register_one(std::forward<Ts>(objects)), ...);
+  }
+
+  // Writes a checkpoint of everything prepared or registered, every RNG of the process, the
+  // data position and the counters. With automatic naming, to
+  // <project_dir>/checkpoints/checkpoint_<iteration> (then iteration + 1, and total_limit is
+  // applied after the commit); otherwise to `output_dir`, which is then required. Returns the
+  // path written. On failure every committed checkpoint is kept and nothing new is visible.
+  std::string save_state(const std::string& output_dir = "");
+
+  // Restores everything save_state() wrote. With no argument, the newest valid checkpoint under
+  // <project_dir>/checkpoints (numeric order; invalid or uncommitted ones are skipped with a
+  // warning on stderr naming them). Checks every component before changing anything; RNG state
+  // goes back last. With automatic naming, the next save_state() writes checkpoint_<n + 1>, or
+  // after the newest existing checkpoint when the one loaded was older.
+  LoadStateReport load_state(const std::string& input_dir = "");
+
+  // The next iteration of `loader` starts `num_batches` batches into the current epoch without
+  // reading the skipped samples; later iterations are whole epochs. Returns `loader`.
+  template <typename Dataset>
+  std::shared_ptr<ResumableDataLoader<Dataset>> skip_first_batches(
+      std::shared_ptr<ResumableDataLoader<Dataset>> loader, std::size_t num_batches) {
+    loader->skip_first_batches(num_batches);
+    return loader;
+  }
+
+  // Called with the output directory before a save / the input directory before a load.
+  void register_save_state_pre_hook(std::function<void(const std::string&)> hook) {
+    save_hooks_.push_back(std::move(hook));
+  }
+  void register_load_state_pre_hook(std::function<void(const std::string&)> hook) {
+    load_hooks_.push_back(std::move(hook));
+  }
+
+  // RNGs beyond the default generators (saved in random_states_0).
+  RngState& rng() { return rng_; }
+
+  // The committed checkpoints under <project_dir>/checkpoints, by number.
+  std::vector<std::pair<std::int64_t, std::string>> list_checkpoints() const;
+
+ private:
+  struct Component {
+    std::string kind;  // "model", "optimizer", "scheduler", "scaler", "sampler", "custom"
+    AnyStateful object;
+  };
+
+  template <typename M>
+  torch::nn::ModuleHolder<M> prepare_one(torch::nn::ModuleHolder<M> module) {
+    add_component("model", AnyStateful::value(ModuleAdapter{module.ptr()}));
+    return module;
+  }
+  std::shared_ptr<torch::nn::Module> prepare_one(std::shared_ptr<torch::nn::Module> module) {
+    add_component("model", AnyStateful::value(ModuleAdapter{module}));
+    return module;
+  }
+  template <typename O>
+    requires std::is_base_of_v<torch::optim::Optimizer, O>
+  O& prepare_one(O& optimizer) {
+    add_component("optimizer", AnyStateful::value(OptimizerAdapter{&optimizer, nullptr}));
+    return optimizer;
+  }
+  template <typename O>
+    requires std::is_base_of_v<torch::optim::Optimizer, O>
+  std::shared_ptr<O> prepare_one(std::shared_ptr<O> optimizer) {
+    add_component("optimizer", AnyStateful::value(OptimizerAdapter{optimizer.get(), optimizer}));
+    return optimizer;
+  }
+  template <typename S>
+    requires std::is_base_of_v<LRScheduler, S>
+  S& prepare_one(S& scheduler) {
+    add_component("scheduler", AnyStateful::ref(static_cast<LRScheduler&>(scheduler)));
+    return scheduler;
+  }
+  GradScaler& prepare_one(GradScaler& scaler);
+  template <typename Dataset>
+  std::shared_ptr<ResumableDataLoader<Dataset>> prepare_one(
+      std::shared_ptr<ResumableDataLoader<Dataset>> loader) {
+    add_component("sampler", AnyStateful(std::shared_ptr<ResumableSampler>(loader, &loader->sampler())));
+    return loader;
+  }
+  ResumableSampler& prepare_one(ResumableSampler& sampler) {
+    add_component("sampler", AnyStateful::ref(sampler));
+    return sampler;
+  }
+
+  template <typename T>
+  void register_one(std::shared_ptr<T> object) {
+    static_assert(Stateful<T>,
+                  "torchpoint: register_for_checkpointing needs an object with `StateDict "
+                  "state_dict()` and `void load_state_dict(const torchpoint::StateDict&)`");
+    add_component("custom", AnyStateful(std::move(object)));
+  }
+  template <typename T>
+  void register_one(T& object) {
+    static_assert(Stateful<T>,
+                  "torchpoint: register_for_checkpointing needs an object with `StateDict "
+                  "state_dict()` and `void load_state_dict(const torchpoint::StateDict&)`");
+    add_component("custom", AnyStateful::ref(object));
+  }
+
+  struct ModuleAdapter {
+    std::shared_ptr<torch::nn::Module> module;
+    StateDict state_dict() const;
+    void load_state_dict(const StateDict& state);
+  };
+  struct OptimizerAdapter {
+    torch::optim::Optimizer* optimizer;
+    std::shared_ptr<void> keep_alive;
+    StateDict state_dict() const;
+    void load_state_dict(const StateDict& state);
+  };
+
+  void add_component(const std::string& kind, AnyStateful object);
+  // File stem of the i-th component: "model", "model_1", "custom_checkpoint_0", ...
+  std::vector<std::string> component_names() const;
+  std::string checkpoints_dir() const;
+  void apply_total_limit(const std::string& just_written);
+
+  ProjectConfiguration config_;
+  Env& env_;
+  std::vector<Component> components_;
+  GradScaler* scaler_ = nullptr;
+  RngState rng_;
+  std::int64_t step_ = 0;
+  std::string resumed_from_;
+  std::vector<std::function<void(const std::string&)>> save_hooks_;
+  std::vector<std::function<void(const std::string&)>> load_hooks_;
+};
+
+}  // namespace torchpoint

@@ -1,0 +1,244 @@
+#include "torchpoint/accelerator.h"
+
+#include <torch/cuda.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+
+#include <fmt/format.h>
+
+#include "io/atomic_commit.h"
+#include "io/filename.h"
+#include "torchpoint/checkpoint_dir.h"
+#include "torchpoint/error.h"
+#include "torchpoint/module_state.h"
+#include "torchpoint/optimizer_state.h"
+#include "torchpoint/stateful_set.h"
+
+namespace torchpoint {
+namespace {
+
+constexpr const char* kRandomStates = "random_states_0";
+constexpr const char* kCustomPrefix = "custom_checkpoint_";
+
+}  // namespace
+
+StateDict Accelerator::ModuleAdapter::state_dict() const { return module_state_dict(*module); }
+void Accelerator::ModuleAdapter::load_state_dict(const StateDict& state) {
+  load_module_state_dict(*module, state);
+}
+StateDict Accelerator::OptimizerAdapter::state_dict() const {
+  return optimizer_state_dict(*optimizer);
+}
+void Accelerator::OptimizerAdapter::load_state_dict(const StateDict& state) {
+  load_optimizer_state_dict(*optimizer, state);
+}
+
+Accelerator::Accelerator(ProjectConfiguration config, Env& env)
+    : config_(std::move(config)), env_(env) {
+  if (config_.total_limit() && *config_.total_limit() < 1) {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("total_limit must be at least 1, not {}", *config_.total_limit()));
+  }
+  if (config_.iteration() < 0) {
+    throw Error(ErrorCode::InvalidArgument, "iteration must not be negative");
+  }
+}
+
+torch::Device Accelerator::device() const {
+  return torch::cuda::is_available() ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
+}
+
+GradScaler& Accelerator::prepare_one(GradScaler& scaler) {
+  if (scaler_ != nullptr) {
+    throw Error(ErrorCode::InvalidArgument, "a GradScaler is already prepared; prepare only one");
+  }
+  add_component("scaler", AnyStateful::ref(scaler));
+  scaler_ = &scaler;
+  return scaler;
+}
+
+void Accelerator::add_component(const std::string& kind, AnyStateful object) {
+  components_.push_back({kind, std::move(object)});
+}
+
+std::vector<std::string> Accelerator::component_names() const {
+  std::map<std::string, int> seen;
+  std::vector<std::string> names;
+  for (const Component& c : components_) {
+    int n = seen[c.kind]++;
+    if (c.kind == "custom") {
+      names.push_back(fmt::format("{}{}", kCustomPrefix, n));
+    } else {
+      names.push_back(n == 0 ? c.kind : fmt::format("{}_{}", c.kind, n));
+    }
+  }
+  return names;
+}
+
+void Accelerator::backward(const at::Tensor& loss) {
+  if (scaler_ != nullptr) {
+    scaler_->scale(loss).backward();
+  } else {
+    loss.backward();
+  }
+  ++step_;
+}
+
+bool Accelerator::optimizer_step(torch::optim::Optimizer& optimizer) {
+  if (scaler_ == nullptr) {
+    optimizer.step();
+    return true;
+  }
+  bool stepped = scaler_->step(optimizer);
+  scaler_->update();
+  return stepped;
+}
+
+std::string Accelerator::checkpoints_dir() const {
+  if (config_.project_dir().empty()) {
+    throw Error(ErrorCode::InvalidArgument,
+                "automatic checkpoint naming needs a project directory: "
+                "ProjectConfiguration().project_dir(\"runs/exp1\")");
+  }
+  return join_path(config_.project_dir(), "checkpoints");
+}
+
+std::vector<std::pair<std::int64_t, std::string>> Accelerator::list_checkpoints() const {
+  std::vector<std::pair<std::int64_t, std::string>> out;
+  std::string dir = checkpoints_dir();
+  if (!env_.stat(dir).is_directory) return out;
+  for (const std::string& name : env_.list_dir(dir)) {
+    auto n = parse_checkpoint_name(name);
+    if (!n) continue;
+    std::string path = join_path(dir, name);
+    // Only committed checkpoints: the manifest is the last file a save writes.
+    if (!env_.stat(join_path(path, kManifestFileName)).exists) continue;
+    out.emplace_back(static_cast<std::int64_t>(*n), path);
+  }
+  // By number, never lexically: checkpoint_10 comes after checkpoint_9.
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::string Accelerator::save_state(const std::string& output_dir) {
+  const bool automatic = output_dir.empty() && config_.automatic_checkpoint_naming();
+  if (output_dir.empty() && !automatic) {
+    throw Error(ErrorCode::InvalidArgument,
+                "save_state() needs an output directory: pass one, or use "
+                "ProjectConfiguration().project_dir(...).automatic_checkpoint_naming(true)");
+  }
+  const std::string path =
+      automatic ? join_path(checkpoints_dir(), checkpoint_name(config_.iteration())) : output_dir;
+  for (const auto& hook : save_hooks_) hook(path);
+
+  std::vector<std::string> names = component_names();
+  std::vector<torchpoint::Component> files;
+  files.reserve(components_.size() + 1);
+  for (std::size_t i = 0; i < components_.size(); ++i) {
+    files.push_back({names[i], components_[i].object.state_dict().to_container()});
+  }
+  files.push_back({kRandomStates, rng_.state_dict().to_container()});
+  CheckpointInfo info;
+  info.step = step_;
+  info.iteration = config_.iteration();
+  info.metadata = {{"accelerator", {{"step", step_}, {"components", names}}}};
+  save_directory(path, files, info, env_);
+
+  if (automatic) {
+    config_.iteration(config_.iteration() + 1);
+    apply_total_limit(path);
+  }
+  return path;
+}
+
+void Accelerator::apply_total_limit(const std::string& just_written) {
+  if (!config_.total_limit()) return;
+  std::string dir = checkpoints_dir();
+  ProjectLock lock(env_, dir);
+  auto all = list_checkpoints();
+  auto excess = static_cast<std::int64_t>(all.size()) - *config_.total_limit();
+  for (const auto& [number, path] : all) {
+    if (excess <= 0) break;
+    // Never the checkpoint just committed, nor the one this run resumed from.
+    if (path == just_written || path == resumed_from_) continue;
+    // Renamed to a temporary name first, so that a crash mid-removal leaves something the next
+    // save sweeps away, never a half-deleted directory that still looks committed.
+    std::string doomed = join_path(dir, temp_name(base_name(path)));
+    env_.rename(path, doomed, /*replace=*/false);
+    env_.sync_dir(dir);
+    env_.remove_all(doomed);
+    --excess;
+  }
+}
+
+LoadStateReport Accelerator::load_state(const std::string& input_dir) {
+  LoadStateReport report;
+  std::string path = input_dir;
+  if (path.empty()) {
+    auto all = list_checkpoints();
+    for (auto it = all.rbegin(); it != all.rend(); ++it) {
+      VerifyReport verified = verify(it->second, env_);
+      if (verified.ok()) {
+        path = it->second;
+        break;
+      }
+      std::string why = fmt::format("{}: {}", it->second, verified.problems.front());
+      std::fprintf(stderr, "torchpoint: skipping invalid checkpoint %s\n", why.c_str());
+      report.skipped.push_back(why);
+    }
+    if (path.empty()) {
+      throw Error(ErrorCode::NotFound,
+                  fmt::format("no valid checkpoint under {}{}; save one with save_state() first",
+                              checkpoints_dir(),
+                              report.skipped.empty()
+                                  ? ""
+                                  : fmt::format(" ({} invalid ones skipped)", report.skipped.size())));
+    }
+  }
+  for (const auto& hook : load_hooks_) hook(path);
+
+  DirectoryCheckpoint checkpoint = load_directory(path, env_);
+  std::vector<std::string> names = component_names();
+  std::size_t saved_custom = 0, registered_custom = 0;
+  for (const auto& c : checkpoint.components) {
+    if (c.name.starts_with(kCustomPrefix)) ++saved_custom;
+  }
+  for (const Component& c : components_) {
+    if (c.kind == "custom") ++registered_custom;
+  }
+  if (saved_custom != registered_custom) {
+    throw Error(ErrorCode::Incompatible,
+                fmt::format("{} holds {} objects saved with register_for_checkpointing but {} are "
+                            "registered now; register the same objects in the same order",
+                            path, saved_custom, registered_custom));
+  }
+
+  StatefulSet set;
+  for (std::size_t i = 0; i < components_.size(); ++i) set.add(names[i], components_[i].object);
+  // Everything else may draw random numbers while loading; the restored streams must not move.
+  set.add(kRandomStates, AnyStateful::ref(rng_), /*restore_last=*/true);
+  StateDict all;
+  for (const auto& c : checkpoint.components) {
+    all.set_child(c.name, StateDict::from_container(c.contents));
+  }
+  RestoreReport restored = set.restore(all);
+
+  step_ = checkpoint.info.step;
+  if (config_.automatic_checkpoint_naming()) {
+    // The next save continues the numbering instead of starting again at checkpoint_0; after
+    // resuming from an older checkpoint, it goes after the newest one rather than collide.
+    std::int64_t next = config_.iteration();
+    if (auto n = parse_checkpoint_name(base_name(path))) next = static_cast<std::int64_t>(*n) + 1;
+    for (const auto& [number, p] : list_checkpoints()) next = std::max(next, number + 1);
+    config_.iteration(next);
+  }
+  resumed_from_ = path;
+  report.path = path;
+  report.components = restored.restored;
+  report.step = step_;
+  return report;
+}
+
+}  // namespace torchpoint

@@ -1,0 +1,88 @@
+// Child of accelerator_crash_test: runs AcceleratorJob in PROJECT, resuming with load_state()
+// when a checkpoint exists, and kills itself with SIGKILL at the point KILL names:
+//   none            run to the end
+//   step:N          right after step N
+//   after_save:K    right after the K-th save of this process returns
+//   save:K:op:M     during the K-th save, before its M-th file-system call
+// Appends "step <n> <loss bits hex>" per step to LOG, and "final <digest>" at the end.
+#include <signal.h>
+#include <unistd.h>
+
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "format/checksum.h"
+#include "testing/fault_env.h"
+#include "tests/accelerator_job.h"
+
+namespace tp = torchpoint;
+
+namespace {
+
+void log_line(const std::string& path, const std::string& line) {
+  // One write per line, appended: a SIGKILL can cut the run but never a line in half.
+  FILE* f = std::fopen(path.c_str(), "a");
+  std::fputs((line + "\n").c_str(), f);
+  std::fclose(f);
+}
+
+std::uint64_t digest(const tp::StateDict& sd) {
+  tp::Xxh3Stream h;
+  for (const auto& [key, value] : sd.entries()) {
+    h.update(key.data(), key.size());
+    if (std::holds_alternative<at::Tensor>(value)) {
+      at::Tensor t = std::get<at::Tensor>(value).contiguous();
+      h.update(t.data_ptr(), t.numel() * t.element_size());
+    } else {
+      std::string text = std::get<tp::Json>(value).dump();
+      h.update(text.data(), text.size());
+    }
+  }
+  return h.digest();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 4) {
+    std::fprintf(stderr, "usage: accelerator_child PROJECT LOG KILL\n");
+    return 2;
+  }
+  const std::string project = argv[1], log = argv[2], kill = argv[3];
+  long kill_step = -1, kill_after_save = -1, kill_save = -1, kill_op = -1;
+  std::sscanf(kill.c_str(), "step:%ld", &kill_step);
+  std::sscanf(kill.c_str(), "after_save:%ld", &kill_after_save);
+  std::sscanf(kill.c_str(), "save:%ld:op:%ld", &kill_save, &kill_op);
+
+  tp::testing::FaultEnv env;
+  long saves = 0, ops_in_save = 0;
+  env.set_before_op([&](tp::testing::Op, const std::string&) {
+    if (saves + 1 == kill_save && ++ops_in_save == kill_op) ::raise(SIGKILL);
+  });
+  tp::testing::AcceleratorJob job(
+      tp::ProjectConfiguration().project_dir(project).automatic_checkpoint_naming(true).total_limit(3),
+      env);
+  if (!job.acc.list_checkpoints().empty()) {
+    tp::LoadStateReport r = job.acc.load_state();
+    log_line(log, "resumed " + r.path);
+  }
+  job.train(
+      /*save_every=*/5,
+      [&](std::int64_t step, float loss) {
+        std::uint32_t bits;
+        std::memcpy(&bits, &loss, sizeof bits);
+        char line[64];
+        std::snprintf(line, sizeof line, "step %" PRId64 " %08x", step, bits);
+        log_line(log, line);
+        if (step == kill_step) ::raise(SIGKILL);
+      },
+      [&](std::int64_t) {
+        ++saves;
+        ops_in_save = 0;
+        if (saves == kill_after_save) ::raise(SIGKILL);
+      });
+  log_line(log, "final " + tp::checksum_hex(digest(job.final_state())));
+  return 0;
+}

@@ -1,0 +1,102 @@
+// A training loop (MLP with Dropout, Adam, StepLR, GradScaler, shuffled data, save_state every
+// 5 steps, not aligned with the 13-batch epochs) runs in a child process that is SIGKILLed at
+// planned points — mid-epoch, at epoch ends, right after a save, during a save — and rerun
+// with load_state(). Every step's loss and the final model, optimizer and RNG state must be
+// bit-identical to the uninterrupted run.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include "testing/test_util.h"
+
+namespace torchpoint {
+namespace {
+
+// Runs the child; returns its wait status.
+int run_child(const std::string& project, const std::string& log, const std::string& kill) {
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::execl(ACCELERATOR_CHILD, ACCELERATOR_CHILD, project.c_str(), log.c_str(), kill.c_str(),
+            nullptr);
+    ::_exit(127);
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return status;
+}
+
+struct Log {
+  std::multimap<long, std::string> steps;  // every step line of every run
+  std::string final_digest;
+  int resumes = 0;
+};
+
+Log read_log(const std::string& path) {
+  Log out;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream words(line);
+    std::string kind;
+    words >> kind;
+    if (kind == "step") {
+      long step;
+      std::string bits;
+      words >> step >> bits;
+      out.steps.emplace(step, bits);
+    } else if (kind == "final") {
+      words >> out.final_digest;
+    } else if (kind == "resumed") {
+      ++out.resumes;
+    }
+  }
+  return out;
+}
+
+TEST(AcceleratorCrash, KilledAtTenPointsResumesBitIdentically) {
+  testing::TempDir dir;
+  ASSERT_EQ(run_child(dir / "reference", dir / "reference.log", "none"), 0);
+  Log reference = read_log(dir / "reference.log");
+  ASSERT_EQ(reference.steps.size(), 39u);
+  ASSERT_FALSE(reference.final_digest.empty());
+
+  const std::vector<std::string> plans = {
+      "step:1",          // before any save
+      "step:7",          // mid-epoch, two steps after a save
+      "step:13",         // last batch of epoch 0, before the epoch's end work
+      "step:14",         // first batch of epoch 1
+      "step:26",         // end of epoch 1
+      "step:33",         // mid-epoch 2
+      "after_save:1",    // right after the first save (step 5)
+      "after_save:5",    // right after the save at step 25
+      "save:2:op:3",     // early in the second save
+      "save:3:op:12",    // mid-file in the third save
+      "save:4:op:30",    // late in the fourth save (around the commit rename)
+      "save:6:op:45",    // at retention after the sixth save
+  };
+  for (const std::string& plan : plans) {
+    SCOPED_TRACE("kill plan " + plan);
+    std::string project = dir / ("p-" + std::to_string(&plan - plans.data()));
+    std::string log = project + ".log";
+    int killed = run_child(project, log, plan);
+    ASSERT_TRUE(WIFSIGNALED(killed) && WTERMSIG(killed) == SIGKILL) << "status " << killed;
+    ASSERT_EQ(run_child(project, log, "none"), 0) << "the rerun must finish";
+    Log got = read_log(log);
+    // Every plan but the first kills after a checkpoint exists, so the rerun must resume.
+    EXPECT_EQ(got.resumes, plan == "step:1" ? 0 : 1);
+    EXPECT_LT(got.steps.size(), 39u + 39u) << "a resume must not start over";
+    for (const auto& [step, bits] : got.steps) {
+      auto ref = reference.steps.find(step);
+      ASSERT_NE(ref, reference.steps.end()) << "unexpected step " << step;
+      EXPECT_EQ(bits, ref->second) << "loss of step " << step << " differs";
+    }
+    for (long s = 1; s <= 39; ++s) EXPECT_TRUE(got.steps.count(s)) << "step " << s << " never ran";
+    EXPECT_EQ(got.final_digest, reference.final_digest) << "final state differs";
+  }
+}
+
+}  // namespace
+}  // namespace torchpoint

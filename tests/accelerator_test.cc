@@ -1,0 +1,248 @@
+// The Accelerator front door: Accelerate's documented behaviour, and what Accelerate gets wrong.
+#include <torch/torch.h>
+
+#include "io/filename.h"
+#include "testing/fault_env.h"
+#include "testing/test_util.h"
+#include "tests/accelerator_job.h"
+#include "torchpoint/accelerator.h"
+#include "torchpoint/error.h"
+
+namespace torchpoint {
+namespace {
+
+using testing::AcceleratorJob;
+using testing::TempDir;
+
+ProjectConfiguration automatic(const std::string& dir) {
+  return ProjectConfiguration().project_dir(dir).automatic_checkpoint_naming(true);
+}
+
+void expect_same_state(StateDict a, StateDict b) {
+  ASSERT_EQ(a.keys(), b.keys());
+  for (const auto& [key, value] : a.entries()) {
+    if (a.is_tensor(key)) {
+      EXPECT_TRUE(testing::bitwise_equal(a.tensor(key), b.tensor(key))) << key;
+    } else {
+      EXPECT_EQ(a.value(key), b.value(key)) << key;
+    }
+  }
+}
+
+template <typename Fn>
+Error expect_error(Fn&& fn, ErrorCode code) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), code) << e.what();
+    return e;
+  }
+  ADD_FAILURE() << "expected an Error " << error_code_name(code);
+  return Error(code, "");
+}
+
+TEST(Accelerator, ProjectConfigurationHasAcceleratesDefaults) {
+  ProjectConfiguration c;
+  EXPECT_EQ(c.project_dir(), "");
+  EXPECT_FALSE(c.automatic_checkpoint_naming());
+  EXPECT_FALSE(c.total_limit().has_value());
+  EXPECT_EQ(c.iteration(), 0);
+}
+
+// The seed's example: save at the start, train, load checkpoint_0 back, skip 100 batches.
+TEST(Accelerator, SeedScenarioSaveTrainLoadSkip) {
+  TempDir dir;
+  AcceleratorJob job(automatic(dir / "my/save/path"));
+  StateDict initial = job.final_state();
+  EXPECT_EQ(job.acc.save_state(), dir / "my/save/path/checkpoints/checkpoint_0");
+  job.train(/*save_every=*/0);
+  LoadStateReport r = job.acc.load_state(dir / "my/save/path/checkpoints/checkpoint_0");
+  EXPECT_EQ(r.components,
+            (std::vector<std::string>{"model", "optimizer", "sampler", "scheduler", "scaler",
+                                      "custom_checkpoint_0", "random_states_0"}));
+  StateDict restored = job.final_state();
+  expect_same_state(initial, restored);
+  EXPECT_EQ(job.counters.step, 0);
+  EXPECT_EQ(job.acc.step(), 0);
+  // The next automatic save continues after the loaded checkpoint.
+  EXPECT_EQ(job.acc.save_state(), dir / "my/save/path/checkpoints/checkpoint_1");
+}
+
+TEST(Accelerator, SkipFirstBatchesStartsMidEpochThenWholeEpochs) {
+  TempDir dir;
+  AcceleratorJob job(automatic(dir.path()));
+  auto order0 = job.loader->sampler().order_of(0);
+  auto skipped = job.acc.skip_first_batches(job.loader, 10);
+  std::vector<std::int64_t> first;
+  for (auto& batch : *skipped) first.push_back(batch.data.size(0));
+  EXPECT_EQ(first.size(), 3u) << "13 batches per epoch, 10 skipped";
+  EXPECT_EQ(job.loader->sampler().epoch(), 0) << "skipping must not change the epoch (accelerate#3242)";
+  std::size_t whole = 0;
+  for (auto& batch : *job.loader) whole += batch.data.size(0);
+  EXPECT_EQ(whole, 200u);
+  EXPECT_EQ(job.loader->sampler().epoch(), 1);
+}
+
+TEST(Accelerator, LoadStateWithoutArgumentTakesTheNewestValidAndRestoresTheIteration) {
+  TempDir dir;
+  {
+    AcceleratorJob job(automatic(dir.path()));
+    job.train(/*save_every=*/5);  // 39 steps: checkpoint_0 .. checkpoint_6
+  }
+  AcceleratorJob again(automatic(dir.path()));
+  LoadStateReport r = again.acc.load_state();
+  EXPECT_EQ(r.path, dir / "checkpoints/checkpoint_6");
+  EXPECT_EQ(again.counters.step, 35);
+  EXPECT_EQ(again.acc.step(), 35);
+  // accelerate#1601 / #3306: the iteration comes back, so no collision with checkpoint_0.
+  EXPECT_EQ(again.acc.save_state(), dir / "checkpoints/checkpoint_7");
+}
+
+TEST(Accelerator, CorruptNewestCheckpointFallsBackToThePreviousWithAWarning) {
+  TempDir dir;
+  {
+    AcceleratorJob job(automatic(dir.path()));
+    job.train(/*save_every=*/10);  // checkpoint_0 (step 10) .. checkpoint_2 (step 30)
+  }
+  std::string bad = dir / "checkpoints/checkpoint_2/optimizer.safetensors";
+  testing::flip_bit(bad, testing::file_size(bad) - 5, 2);
+  AcceleratorJob again(automatic(dir.path()));
+  LoadStateReport r = again.acc.load_state();
+  EXPECT_EQ(r.path, dir / "checkpoints/checkpoint_1");
+  ASSERT_EQ(r.skipped.size(), 1u);
+  EXPECT_NE(r.skipped[0].find("checkpoint_2"), std::string::npos) << r.skipped[0];
+  EXPECT_EQ(again.counters.step, 20);
+}
+
+TEST(Accelerator, TotalLimitDeletesOldestByNumberOnlyAfterCommit) {
+  TempDir dir;
+  AcceleratorJob job(automatic(dir.path()).total_limit(3));
+  for (int i = 0; i < 12; ++i) job.acc.save_state();
+  // accelerate#1163: numeric order, so checkpoint_10 and checkpoint_11 survive.
+  std::vector<std::string> names;
+  for (const auto& [n, path] : job.acc.list_checkpoints()) names.push_back(base_name(path));
+  EXPECT_EQ(names, (std::vector<std::string>{"checkpoint_9", "checkpoint_10", "checkpoint_11"}));
+  for (const std::string& name : testing::list_sorted(dir / "checkpoints")) {
+    EXPECT_FALSE(is_temp_name(name)) << name;
+  }
+
+  // Resuming from an older checkpoint continues the numbering after the newest one (never
+  // colliding with it), and that run never deletes the checkpoint it resumed from.
+  AcceleratorJob resumed(automatic(dir.path()).total_limit(1));
+  resumed.acc.load_state(dir / "checkpoints/checkpoint_9");
+  EXPECT_EQ(resumed.acc.save_state(), dir / "checkpoints/checkpoint_12");
+  names.clear();
+  for (const auto& [n, path] : resumed.acc.list_checkpoints()) names.push_back(base_name(path));
+  EXPECT_EQ(names, (std::vector<std::string>{"checkpoint_9", "checkpoint_12"}));
+}
+
+TEST(Accelerator, ResumedFromCheckpointSurvivesTotalLimit) {
+  TempDir dir;
+  AcceleratorJob job(automatic(dir.path()).total_limit(1));
+  job.acc.save_state();  // checkpoint_0
+  job.acc.save_state();  // checkpoint_1; checkpoint_0 deleted
+  AcceleratorJob resumed(automatic(dir.path()).total_limit(1));
+  resumed.acc.load_state();  // checkpoint_1
+  resumed.acc.save_state();  // checkpoint_2; checkpoint_1 is kept: this run resumed from it
+  resumed.acc.save_state();  // checkpoint_3; checkpoint_2 goes
+  std::vector<std::int64_t> numbers;
+  for (const auto& [n, path] : resumed.acc.list_checkpoints()) numbers.push_back(n);
+  EXPECT_EQ(numbers, (std::vector<std::int64_t>{1, 3}));
+}
+
+TEST(Accelerator, ACrashDuringSaveKeepsThePreviousCheckpoints) {
+  TempDir dir;
+  testing::FaultEnv env;
+  AcceleratorJob job(automatic(dir.path()).total_limit(1), env);
+  job.acc.save_state();  // checkpoint_0
+  env.fail_nth(testing::all_ops(), 9, ENOSPC);
+  EXPECT_THROW(job.acc.save_state(), Error);
+  env.clear_faults();
+  AcceleratorJob again(automatic(dir.path()));
+  EXPECT_EQ(again.acc.load_state().path, dir / "checkpoints/checkpoint_0");
+}
+
+struct Note {
+  std::string text;
+  StateDict state_dict() const {
+    StateDict s;
+    s.set("text", text);
+    return s;
+  }
+  void load_state_dict(const StateDict& s) { text = s.get<std::string>("text"); }
+};
+
+TEST(Accelerator, RegisteredObjectsAreSavedInOrderAndCountsMustMatch) {
+  TempDir dir;
+  Note a{"first"}, b{"second"};
+  {
+    AcceleratorJob job(automatic(dir.path()));
+    job.acc.register_for_checkpointing(a, b);
+    job.acc.save_state();
+  }
+  auto files = testing::list_sorted(dir / "checkpoints/checkpoint_0");
+  EXPECT_NE(std::find(files.begin(), files.end(), "custom_checkpoint_2.safetensors"), files.end());
+  Note c, d;
+  AcceleratorJob job(automatic(dir.path()));
+  job.acc.register_for_checkpointing(c, d);
+  job.acc.load_state();
+  EXPECT_EQ(c.text, "first");
+  EXPECT_EQ(d.text, "second");
+
+  AcceleratorJob fewer(automatic(dir.path()));
+  Error e = expect_error([&] { fewer.acc.load_state(); }, ErrorCode::Incompatible);
+  EXPECT_NE(std::string(e.what()).find("holds 3 objects saved with register_for_checkpointing but 1"),
+            std::string::npos)
+      << e.what();
+}
+
+TEST(Accelerator, RngRestoreFailureIsAnErrorNotALogLine) {
+  TempDir dir;
+  {
+    AcceleratorJob job(automatic(dir.path()));
+    job.acc.save_state();
+  }
+  AcceleratorJob job(automatic(dir.path()));
+  job.acc.rng().register_generator("augment", at::detail::createCPUGenerator(3));
+  expect_error([&] { job.acc.load_state(); }, ErrorCode::Incompatible);  // accelerate#4283
+}
+
+TEST(Accelerator, BadInputGivesClearErrors) {
+  TempDir dir;
+  AcceleratorJob manual(ProjectConfiguration().project_dir(dir.path()));
+  Error e = expect_error([&] { manual.acc.save_state(); }, ErrorCode::InvalidArgument);
+  EXPECT_NE(std::string(e.what()).find("automatic_checkpoint_naming"), std::string::npos);
+  expect_error([&] { manual.acc.load_state(dir / "missing"); }, ErrorCode::NotFound);
+
+  AcceleratorJob fresh(automatic(dir / "empty"));
+  Error none = expect_error([&] { fresh.acc.load_state(); }, ErrorCode::NotFound);
+  EXPECT_NE(std::string(none.what()).find("no valid checkpoint"), std::string::npos);
+
+  // A model of another shape: refused before anything changes.
+  manual.acc.save_state(dir / "manual_ckpt");
+  AcceleratorJob other(ProjectConfiguration().project_dir(dir.path()), Env::posix(), /*hidden=*/64);
+  auto wide = other.model;
+  auto before = wide->parameters()[0].clone();
+  Error shape =
+      expect_error([&] { other.acc.load_state(dir / "manual_ckpt"); }, ErrorCode::Incompatible);
+  EXPECT_NE(std::string(shape.what()).find("size mismatch for 0.weight: checkpoint [32, 10], model [64, 10]"),
+            std::string::npos)
+      << shape.what();
+  EXPECT_TRUE(wide->parameters()[0].equal(before));
+  EXPECT_THROW(Accelerator(ProjectConfiguration().total_limit(0)), Error);
+}
+
+TEST(Accelerator, PreHooksSeeThePaths) {
+  TempDir dir;
+  AcceleratorJob job(automatic(dir.path()));
+  std::vector<std::string> seen;
+  job.acc.register_save_state_pre_hook([&](const std::string& p) { seen.push_back("save " + p); });
+  job.acc.register_load_state_pre_hook([&](const std::string& p) { seen.push_back("load " + p); });
+  job.acc.save_state();
+  job.acc.load_state();
+  EXPECT_EQ(seen, (std::vector<std::string>{"save " + dir / "checkpoints/checkpoint_0",
+                                            "load " + dir / "checkpoints/checkpoint_0"}));
+}
+
+}  // namespace
+}  // namespace torchpoint
