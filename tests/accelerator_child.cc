@@ -66,6 +66,9 @@ int main(int argc, char** argv) {
       env);
   if (!job.acc.list_checkpoints().empty()) {
     tp::LoadStateReport r = job.acc.load_state();
+    // Accelerate's flow: skip the batches already consumed in this epoch. load_state() has
+    // already put the data position back; skip_first_batches is absolute, so they agree.
+    job.acc.skip_first_batches(job.loader, static_cast<std::size_t>(job.counters.batch_in_epoch));
     log_line(log, "resumed " + r.path);
   }
   job.train(
