@@ -2,12 +2,33 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <gtest/gtest.h>
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "torchpoint/error.h"
+
 namespace torchpoint::testing {
+
+// Runs `fn` and expects it to throw a torchpoint::Error with `code` whose message contains
+// every one of `parts`; returns that error (a test failure is recorded otherwise).
+template <typename Fn>
+Error expect_error(Fn&& fn, ErrorCode code, const std::vector<std::string>& parts = {}) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), code) << e.what();
+    for (const std::string& part : parts) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos)
+          << "message lacks '" << part << "': " << e.what();
+    }
+    return e;
+  }
+  ADD_FAILURE() << "expected an Error with code " << error_code_name(code);
+  return Error(code, "");
+}
 
 // A fresh directory under $TMPDIR (or /tmp), removed with everything in it on destruction.
 class TempDir {

@@ -13,6 +13,7 @@ namespace {
 
 using testing::AcceleratorJob;
 using testing::TempDir;
+using testing::expect_error;
 
 ProjectConfiguration automatic(const std::string& dir) {
   return ProjectConfiguration().project_dir(dir).automatic_checkpoint_naming(true);
@@ -29,17 +30,6 @@ void expect_same_state(StateDict a, StateDict b) {
   }
 }
 
-template <typename Fn>
-Error expect_error(Fn&& fn, ErrorCode code) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), code) << e.what();
-    return e;
-  }
-  ADD_FAILURE() << "expected an Error " << error_code_name(code);
-  return Error(code, "");
-}
 
 TEST(Accelerator, ProjectConfigurationHasAcceleratesDefaults) {
   ProjectConfiguration c;

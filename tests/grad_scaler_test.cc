@@ -25,22 +25,8 @@ namespace {
 
 using testing::bitwise_equal;
 using testing::TempDir;
+using testing::expect_error;
 
-// Runs `fn`; expects an Error with `code` whose message contains every one of `parts`.
-template <typename Fn>
-void expect_error(Fn&& fn, ErrorCode code, const std::vector<std::string>& parts) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), code) << e.what();
-    for (const std::string& part : parts) {
-      EXPECT_NE(std::string(e.what()).find(part), std::string::npos)
-          << "message lacks '" << part << "': " << e.what();
-    }
-    return;
-  }
-  ADD_FAILURE() << "expected an Error with code " << error_code_name(code);
-}
 
 std::uint64_t bits(double d) { return std::bit_cast<std::uint64_t>(d); }
 

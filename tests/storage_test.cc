@@ -23,25 +23,13 @@ namespace {
 using testing::bitwise_equal;
 using testing::make_tensor;
 using testing::TempDir;
+using testing::expect_error;
 
 const std::vector<c10::ScalarType> kAllDtypes = {
     at::kBool, at::kByte, at::kChar, at::kShort, at::kInt,
     at::kLong, at::kHalf, at::kBFloat16, at::kFloat, at::kDouble};
 
 const std::vector<std::vector<std::int64_t>> kShapes = {{}, {0}, {0, 3}, {1}, {7}, {3, 5}, {2, 3, 4}};
-
-// Runs `fn` and returns the Error it throws; fails the test if it throws nothing.
-template <typename Fn>
-Error expect_error(Fn&& fn, ErrorCode code) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), code) << e.what();
-    return e;
-  }
-  ADD_FAILURE() << "expected an Error with code " << error_code_name(code);
-  return Error(code, "");
-}
 
 void expect_same(const Container& a, const Container& b) {
   ASSERT_EQ(a.tensors.size(), b.tensors.size());
