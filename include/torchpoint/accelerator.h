@@ -105,8 +105,10 @@ class Accelerator {
 
   // Restores everything save_state() wrote. With no argument, the newest valid checkpoint under
   // <project_dir>/checkpoints (numeric order; invalid or uncommitted ones are skipped with a
-  // warning on stderr naming them). Checks every component before changing anything; RNG state
-  // goes back last. With automatic naming, the next save_state() writes checkpoint_<n + 1>, or
+  // warning on stderr naming them). Every file is verified and every component name checked
+  // before anything changes; should a component still refuse its state, the ones already
+  // restored are put back (a copy of the current state is held while loading). RNG state goes
+  // back last. With automatic naming, the next save_state() writes checkpoint_<n + 1>, or
   // after the newest existing checkpoint when the one loaded was older.
   LoadStateReport load_state(const std::string& input_dir = "");
 
