@@ -1,0 +1,983 @@
+// The `torchpoint` command-line tool, run as users run it: the built binary (TORCHPOINT_CLI) is
+// spawned on real checkpoints written by save_directory and save_file — valid ones, a
+// corrupted one (a flipped bit), a half-written one (a checkpoint_N.tmp-<pid>-<hex> directory)
+// and an uncommitted one (no manifest.json) — and its stdout, stderr and exit status checked.
+// Exported .pt files are loaded by Python's torch.load (tests/python/export_check.py).
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "sha256.h"
+#include "testing/test_util.h"
+#include "torchpoint/checkpoint_dir.h"
+#include "torchpoint/data_position.h"
+#include "torchpoint/env.h"
+#include "torchpoint/state_dict.h"
+#include "torchpoint/tensor_file.h"
+
+#ifndef TORCHPOINT_CLI
+#error "TORCHPOINT_CLI must name the built torchpoint tool"
+#endif
+
+namespace torchpoint {
+namespace {
+
+using testing::TempDir;
+using Json = nlohmann::json;
+
+// ---------------------------------------------------------------------------------------------
+// SHA-256 (FIPS 180-4 and its example vectors)
+
+std::string sha256_hex(const std::string& bytes) {
+  tool::Sha256 h;
+  h.update(bytes);
+  return h.hex_digest();
+}
+
+TEST(Sha256, Fips180Vectors) {
+  EXPECT_EQ(sha256_hex(""), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  EXPECT_EQ(sha256_hex("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  EXPECT_EQ(sha256_hex("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq"),
+            "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+  EXPECT_EQ(sha256_hex("abcdefghbcdefghicdefghijdefghijkefghijklfghijklmghijklmnhijklmnoijklmnop"
+                       "jklmnopqklmnopqrlmnopqrsmnopqrstnopqrstu"),
+            "cf5b16a778af8380036ce59e7b0492370b249b11e8f07a51afac45037afee9d1");
+  EXPECT_EQ(sha256_hex(std::string(1'000'000, 'a')),
+            "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
+}
+
+TEST(Sha256, AnySplitOfTheInputGivesTheSameDigest) {
+  std::string input;
+  for (int i = 0; i < 300; ++i) input.push_back(static_cast<char>(i * 7 + 3));
+  std::string expected = sha256_hex(input);
+  // Splits around the 55/56/64-byte padding and block boundaries.
+  for (std::size_t first : {0, 1, 55, 56, 63, 64, 65, 119, 120, 128, 200, 300}) {
+    tool::Sha256 h;
+    h.update(input.data(), first);
+    for (std::size_t i = first; i < input.size(); i += 13) {
+      h.update(input.data() + i, std::min<std::size_t>(13, input.size() - i));
+    }
+    EXPECT_EQ(h.hex_digest(), expected) << "first chunk " << first;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Running the tool
+
+struct Result {
+  int status = -1;
+  std::string out;
+  std::string err;
+};
+
+std::string quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+Result run_command(const std::string& command, const std::string& err_file) {
+  Result run;
+  std::string full = command + " 2>" + quote(err_file);
+  FILE* pipe = ::popen(full.c_str(), "r");
+  if (pipe == nullptr) ADD_FAILURE() << "popen failed: " << full;
+  if (pipe == nullptr) return run;
+  char buffer[4096];
+  std::size_t n;
+  while ((n = std::fread(buffer, 1, sizeof buffer, pipe)) > 0) run.out.append(buffer, n);
+  int raw = ::pclose(pipe);
+  run.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : 128 + WTERMSIG(raw);
+  run.err = slurp(err_file);
+  return run;
+}
+
+// Runs `torchpoint args...`.
+Result tp(const std::vector<std::string>& args) {
+  static TempDir scratch;
+  std::string command = quote(TORCHPOINT_CLI);
+  for (const std::string& a : args) command += " " + quote(a);
+  return run_command(command, scratch / "stderr");
+}
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+// Whitespace-separated words of a line.
+std::vector<std::string> words(const std::string& line) {
+  std::vector<std::string> out;
+  std::istringstream in(line);
+  for (std::string w; in >> w;) out.push_back(w);
+  return out;
+}
+
+// Index of the first line that has `word` as one of its words; -1 if none.
+int line_index(const std::vector<std::string>& lines, const std::string& word) {
+  for (std::size_t i = 0; i < lines.size(); ++i) {
+    for (const std::string& w : words(lines[i])) {
+      if (w == word) return static_cast<int>(i);
+    }
+  }
+  return -1;
+}
+
+std::string line_with(const std::string& text, const std::string& word) {
+  std::vector<std::string> lines = lines_of(text);
+  int i = line_index(lines, word);
+  return i < 0 ? std::string() : lines[i];
+}
+
+Json parse_json(const Result& run) {
+  Json j = Json::parse(run.out, nullptr, /*allow_exceptions=*/false);
+  EXPECT_FALSE(j.is_discarded()) << "not JSON:\n" << run.out << run.err;
+  return j;
+}
+
+// `text` with every run of white space replaced by one space.
+std::string squeeze(const std::string& text) {
+  std::string out;
+  for (const std::string& w : words(text)) out += (out.empty() ? "" : " ") + w;
+  return out;
+}
+
+bool exists(const std::string& path) { return Env::posix().stat(path).exists; }
+
+// ---------------------------------------------------------------------------------------------
+// Real checkpoints
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+StateDict model_state(float shift) {
+  StateDict sd;
+  sd.set("fc.weight", torch::arange(6, torch::kFloat).reshape({2, 3}) + shift);
+  sd.set("fc.bias", torch::tensor({0.5f, -1.5f}) + shift);
+  sd.set("special", torch::tensor({kNaN, -0.0, kInf, -kInf, 1e-300}, torch::kDouble));
+  sd.set("ids", torch::tensor({std::int64_t{-7}, std::int64_t{1} << 40}, torch::kLong));
+  sd.set("half", torch::tensor({0.5, -2.0}).to(torch::kHalf));
+  sd.set("bf", torch::tensor({1.0, -3.0}).to(torch::kBFloat16));
+  sd.set("small", torch::tensor({-5, 7}, torch::kInt).to(torch::kShort));
+  sd.set("bytes", torch::tensor({0, 255}, torch::kInt).to(torch::kByte));
+  sd.set("mask", torch::tensor({true, false, true}));
+  sd.set("scalar", torch::scalar_tensor(2.5, torch::kFloat));
+  sd.set("empty", torch::zeros({0, 4}, torch::kInt));
+  sd.set("config", Json{{"hidden", 3}});
+  return sd;
+}
+
+StateDict optimizer_state(float shift) {
+  StateDict sd;
+  sd.set("state.0.exp_avg", torch::full({2, 3}, 0.25f + shift));
+  sd.set("state.0.step", torch::scalar_tensor(3.0, torch::kFloat));
+  sd.set("param_groups.0.lr", 0.01);
+  return sd;
+}
+
+MetricRecords records() {
+  MetricRecords r;
+  for (double v : {1.0, 0.5, 0.25}) r.record("train", "loss", v);
+  for (double v : {1.2, 0.8, 0.6}) r.record("valid", "loss", v);
+  for (double v : {0.5, 0.7, 0.9}) r.record("train", "acc", v);
+  return r;
+}
+
+TrainingCounters counters(std::int64_t step) {
+  TrainingCounters c;
+  c.epoch = 3;
+  c.step = step;
+  return c;
+}
+
+std::vector<Component> components(std::int64_t step, float shift) {
+  return {{"model", model_state(shift).to_container()},
+          {"optimizer", optimizer_state(shift).to_container()},
+          {"records", records().state_dict().to_container()},
+          {"counters", counters(step).state_dict().to_container()}};
+}
+
+// A directory checkpoint with the manifest metadata {"metrics": {"val_loss": val_loss}}.
+void save_checkpoint(const std::string& path, std::int64_t step, float shift,
+                     double val_loss = 1.0) {
+  CheckpointInfo info;
+  info.step = step;
+  info.iteration = step / 100;
+  info.metadata = {{"metrics", {{"val_loss", val_loss}}}};
+  save_directory(path, components(step, shift), info);
+}
+
+// The same state as save_checkpoint(), as one file (StateDict::set_child layout).
+void save_file_checkpoint(const std::string& path, std::int64_t step, float shift) {
+  StateDict all;
+  all.set_child("model", model_state(shift));
+  all.set_child("optimizer", optimizer_state(shift));
+  all.set_child("records", records().state_dict());
+  all.set_child("counters", counters(step).state_dict());
+  save_file(path, all.to_container());
+}
+
+// Flips a bit of the last byte of a container file (tensor data).
+void corrupt(const std::string& file) { testing::flip_bit(file, testing::file_size(file) - 1, 0); }
+
+void make_dir(const std::string& path) { ASSERT_EQ(::mkdir(path.c_str(), 0755), 0) << path; }
+
+// runs/checkpoints/ with: checkpoint_1, _2, _9 (valid), _10 (corrupt: a flipped bit),
+// checkpoint_11.tmp-123-abcdef0123456789 (half-written: a save that died), checkpoint_12
+// (no manifest.json: never committed), plus entries that are not checkpoints.
+struct Project {
+  TempDir tmp;
+  std::string root = tmp / "runs";
+  std::string dir = root + "/checkpoints";
+  std::string ckpt(int n) const { return dir + "/checkpoint_" + std::to_string(n); }
+  std::string temp = dir + "/checkpoint_11.tmp-123-abcdef0123456789";
+
+  Project() {
+    save_checkpoint(ckpt(1), 100, 0, 0.9);
+    save_checkpoint(ckpt(2), 200, 1, 0.5);
+    save_checkpoint(ckpt(9), 900, 2, 0.7);
+    save_checkpoint(ckpt(10), 1000, 3, 0.8);
+    corrupt(ckpt(10) + "/model.safetensors");
+    save_checkpoint(ckpt(12), 1200, 4);
+    Env::posix().remove_file(ckpt(12) + "/manifest.json");
+    // After the saves: save_directory sweeps temporaries of dead writers.
+    make_dir(temp);
+    testing::write_bytes(temp + "/model.safetensors", "partial");
+    testing::write_bytes(dir + "/notes.txt", "not a checkpoint");
+    make_dir(dir + "/logs");
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Usage
+
+TEST(Cli, UsageErrorsExitTwoAndHelpExitsZero) {
+  EXPECT_EQ(tp({}).status, 2);
+  Result unknown = tp({"frobnicate"});
+  EXPECT_EQ(unknown.status, 2);
+  EXPECT_NE(unknown.err.find("unknown command 'frobnicate'"), std::string::npos) << unknown.err;
+  EXPECT_EQ(tp({"ls"}).status, 2);                  // missing DIR
+  EXPECT_EQ(tp({"ls", "a", "--bogus"}).status, 2);  // unknown option
+  EXPECT_EQ(tp({"prune", "x"}).status, 2);          // --keep-last is required
+  EXPECT_EQ(tp({"prune", "x", "--keep-last", "1", "--mode", "max"}).status, 2);  // needs best
+  EXPECT_EQ(tp({"prune", "x", "--keep-last", "1", "--keep-best", "m", "--mode", "up"}).status, 2);
+
+  Result help = tp({"--help"});
+  EXPECT_EQ(help.status, 0);
+  for (const char* command :
+       {"ls", "show", "verify", "diff", "digest", "export", "plot", "prune"}) {
+    EXPECT_NE(help.out.find(command), std::string::npos) << command;
+    Result sub = tp({command, "--help"});
+    EXPECT_EQ(sub.status, 0) << command;
+    EXPECT_NE(sub.out.find(std::string("torchpoint ") + command), std::string::npos) << sub.out;
+  }
+  // Help text is wrapped: compare with runs of white space collapsed.
+  EXPECT_NE(squeeze(tp({"digest", "--help"}).out).find("the first dotted part of each key"),
+            std::string::npos);
+  EXPECT_NE(squeeze(tp({"prune", "--help"}).out).find("metadata[\"metrics\"][METRIC]"),
+            std::string::npos);
+  Result version = tp({"--version"});
+  EXPECT_EQ(version.status, 0);
+  EXPECT_NE(version.out.find("torchpoint "), std::string::npos);
+}
+
+// ---------------------------------------------------------------------------------------------
+// ls
+
+TEST(CliLs, ListsInNumericOrderWithStatusAndMarksTheLatestValid) {
+  Project p;
+  Result run = tp({"ls", p.root});  // a project directory: its checkpoints/ is listed
+  ASSERT_EQ(run.status, 0) << run.err;
+  std::vector<std::string> lines = lines_of(run.out);
+  int i1 = line_index(lines, "checkpoint_1/"), i2 = line_index(lines, "checkpoint_2/");
+  int i9 = line_index(lines, "checkpoint_9/"), i10 = line_index(lines, "checkpoint_10/");
+  int i11 = line_index(lines, "checkpoint_11.tmp-123-abcdef0123456789/");
+  int i12 = line_index(lines, "checkpoint_12/");
+  ASSERT_TRUE(i1 >= 0 && i2 >= 0 && i9 >= 0 && i10 >= 0 && i11 >= 0 && i12 >= 0) << run.out;
+  EXPECT_LT(i1, i2);
+  EXPECT_LT(i2, i9);
+  EXPECT_LT(i9, i10);  // numeric: lexically "checkpoint_10" < "checkpoint_9"
+  EXPECT_LT(i10, i11);
+  EXPECT_LT(i11, i12);
+  EXPECT_EQ(words(lines[i9]).front(), "*") << run.out;
+  for (int i : {i1, i2, i10, i11, i12}) EXPECT_NE(words(lines[i]).front(), "*") << lines[i];
+  EXPECT_EQ(words(lines[i9]).back(), "valid");
+  EXPECT_EQ(words(lines[i10]).back(), "corrupt");
+  EXPECT_EQ(words(lines[i11]).back(), "uncommitted");
+  EXPECT_EQ(words(lines[i12]).back(), "uncommitted");
+  EXPECT_NE(lines[i2].find("val_loss=0.5"), std::string::npos) << lines[i2];
+  EXPECT_EQ(run.out.find("notes.txt"), std::string::npos);
+  EXPECT_EQ(run.out.find("logs"), std::string::npos);
+  // The corrupt one says why.
+  EXPECT_NE(run.out.find("checkpoint_10: "), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("model.safetensors"), std::string::npos) << run.out;
+
+  // The checkpoints directory itself gives the same listing.
+  Result direct = tp({"ls", p.dir});
+  EXPECT_EQ(direct.status, 0);
+  EXPECT_EQ(lines_of(direct.out).size(), lines.size());
+}
+
+TEST(CliLs, JsonHasEveryField) {
+  Project p;
+  Result run = tp({"ls", p.root, "--json"});
+  ASSERT_EQ(run.status, 0) << run.err;
+  Json j = parse_json(run);
+  EXPECT_EQ(j["directory"], p.dir);
+  EXPECT_EQ(j["latest"], "checkpoint_9");
+  std::vector<std::string> names, statuses;
+  for (const Json& c : j["checkpoints"]) {
+    names.push_back(c["name"]);
+    statuses.push_back(c["status"]);
+  }
+  EXPECT_EQ(names, (std::vector<std::string>{
+                       "checkpoint_1", "checkpoint_2", "checkpoint_9", "checkpoint_10",
+                       "checkpoint_11.tmp-123-abcdef0123456789", "checkpoint_12"}));
+  EXPECT_EQ(statuses, (std::vector<std::string>{"valid", "valid", "valid", "corrupt", "uncommitted",
+                                                "uncommitted"}));
+  const Json& c9 = j["checkpoints"][2];
+  EXPECT_EQ(c9["number"], 9);
+  EXPECT_EQ(c9["step"], 900);
+  EXPECT_EQ(c9["latest"], true);
+  EXPECT_EQ(c9["kind"], "directory");
+  EXPECT_EQ(c9["metrics"]["val_loss"], 0.7);
+  std::uint64_t size = 0;
+  for (const std::string& f : testing::list_sorted(p.ckpt(9))) {
+    size += testing::file_size(p.ckpt(9) + "/" + f);
+  }
+  EXPECT_EQ(c9["size_bytes"], size);
+  EXPECT_GT(c9["modified_unix_ms"].get<std::int64_t>(), 1'600'000'000'000);
+  EXPECT_FALSE(j["checkpoints"][3]["problems"].empty());
+  EXPECT_EQ(j["checkpoints"][4]["number"], 11);
+  EXPECT_EQ(j["checkpoints"][4]["latest"], false);
+}
+
+TEST(CliLs, PicksTheHighestNumberNotTheLexicallyLast) {
+  TempDir tmp;
+  save_checkpoint(tmp / "checkpoint_9", 9, 0);
+  save_checkpoint(tmp / "checkpoint_10", 10, 0);
+  Json j = parse_json(tp({"ls", tmp.path(), "--json"}));
+  EXPECT_EQ(j["latest"], "checkpoint_10");
+}
+
+TEST(CliLs, ListsFileCheckpoints) {
+  TempDir tmp;
+  save_file_checkpoint(tmp / "epoch-9.ckpt", 9, 0);
+  save_file_checkpoint(tmp / "epoch-10.ckpt", 10, 0);
+  save_file_checkpoint(tmp / "epoch-11.ckpt", 11, 0);
+  corrupt(tmp / "epoch-11.ckpt");
+  testing::write_bytes(tmp / "epoch-12.ckpt.tmp-77-0123456789abcdef", "half");
+  Result run = tp({"ls", tmp.path(), "--json"});
+  ASSERT_EQ(run.status, 0) << run.err;
+  Json j = parse_json(run);
+  EXPECT_EQ(j["latest"], "epoch-10.ckpt");
+  std::vector<std::string> names;
+  for (const Json& c : j["checkpoints"]) names.push_back(c["name"]);
+  EXPECT_EQ(names, (std::vector<std::string>{"epoch-9.ckpt", "epoch-10.ckpt", "epoch-11.ckpt",
+                                             "epoch-12.ckpt.tmp-77-0123456789abcdef"}));
+  EXPECT_EQ(j["checkpoints"][2]["status"], "corrupt");
+  EXPECT_EQ(j["checkpoints"][3]["status"], "uncommitted");
+  EXPECT_EQ(j["checkpoints"][0]["kind"], "file");
+  EXPECT_EQ(j["checkpoints"][0]["step"], 9);  // counters.step, read from the header
+  EXPECT_EQ(j["checkpoints"][1]["step"], 10);
+  EXPECT_EQ(j["checkpoints"][0]["size_bytes"], testing::file_size(tmp / "epoch-9.ckpt"));
+}
+
+TEST(CliLs, ErrorsNameThePath) {
+  Project p;
+  Result missing = tp({"ls", p.tmp / "nowhere"});
+  EXPECT_EQ(missing.status, 2);
+  EXPECT_NE(missing.err.find(p.tmp / "nowhere"), std::string::npos) << missing.err;
+  EXPECT_NE(missing.err.find("does not exist"), std::string::npos) << missing.err;
+  Result checkpoint = tp({"ls", p.ckpt(1)});
+  EXPECT_EQ(checkpoint.status, 2);
+  EXPECT_NE(checkpoint.err.find("is a checkpoint"), std::string::npos) << checkpoint.err;
+  Result file = tp({"ls", p.dir + "/notes.txt"});
+  EXPECT_EQ(file.status, 2);
+  EXPECT_NE(file.err.find("notes.txt"), std::string::npos) << file.err;
+  TempDir empty;
+  Result none = tp({"ls", empty.path()});
+  EXPECT_EQ(none.status, 0);
+  EXPECT_NE(none.out.find("no checkpoints"), std::string::npos);
+}
+
+// ---------------------------------------------------------------------------------------------
+// show
+
+TEST(CliShow, ShowsComponentsTensorsStateVersionsAndRecords) {
+  Project p;
+  Result run = tp({"show", p.ckpt(2)});
+  ASSERT_EQ(run.status, 0) << run.err;
+  const std::string& out = run.out;
+  EXPECT_EQ(words(line_with(out, "fc.weight")),
+            (std::vector<std::string>{"fc.weight", "F32", "[2,", "3]", "24"}));
+  EXPECT_EQ(words(line_with(out, "ids")), (std::vector<std::string>{"ids", "I64", "[2]", "16"}));
+  EXPECT_EQ(words(line_with(out, "bf")), (std::vector<std::string>{"bf", "BF16", "[2]", "4"}));
+  EXPECT_EQ(words(line_with(out, "scalar")),
+            (std::vector<std::string>{"scalar", "F32", "[]", "4"}));
+  EXPECT_EQ(words(line_with(out, "empty")),
+            (std::vector<std::string>{"empty", "I32", "[0,", "4]", "0"}));
+  EXPECT_TRUE(std::regex_search(out, std::regex("step +200\n"))) << out;
+  EXPECT_TRUE(std::regex_search(out, std::regex("iteration +2\n"))) << out;
+  Json manifest = Json::parse(slurp(p.ckpt(2) + "/manifest.json"));
+  EXPECT_NE(out.find(fmt::format("format 1.0, torchpoint {}, LibTorch {}",
+                                 manifest["torchpoint_version"].get<std::string>(),
+                                 manifest["libtorch_version"].get<std::string>())),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find(R"({"metrics":{"val_loss":0.5}})"), std::string::npos) << out;
+  for (const char* c : {"model", "optimizer", "records", "counters"}) {
+    EXPECT_NE(out.find(fmt::format("component {} ({}.safetensors, ", c, c)), std::string::npos)
+        << c;
+  }
+  EXPECT_NE(out.find(R"(state: {"epoch":3,"step":200,)"), std::string::npos) << out;
+  EXPECT_NE(out.find(R"(state: {"config":{"hidden":3}})"), std::string::npos) << out;
+  EXPECT_EQ(words(line_with(out, "acc")),
+            (std::vector<std::string>{"records", "train", "acc", "3", "0.9"}));
+  std::vector<std::string> lines = lines_of(out);
+  int valid_loss = line_index(lines, "valid");
+  ASSERT_GE(valid_loss, 0);
+  EXPECT_EQ(words(lines[valid_loss]),
+            (std::vector<std::string>{"records", "valid", "loss", "3", "0.6"}));
+}
+
+TEST(CliShow, JsonOfADirectoryAndOfAFileCheckpoint) {
+  Project p;
+  save_file_checkpoint(p.tmp / "state.ckpt", 200, 1);
+  for (const std::string& path : {p.ckpt(2), p.tmp / "state.ckpt"}) {
+    SCOPED_TRACE(path);
+    Result run = tp({"show", path, "--json"});
+    ASSERT_EQ(run.status, 0) << run.err;
+    Json j = parse_json(run);
+    bool directory = path == p.ckpt(2);
+    EXPECT_EQ(j["kind"], directory ? "directory" : "file");
+    EXPECT_EQ(j["step"], 200);  // the manifest's, or the counters component's
+    EXPECT_EQ(j["versions"]["format"], "1.0");
+    std::vector<std::string> names;
+    for (const Json& c : j["components"]) names.push_back(c["name"]);
+    EXPECT_EQ(names, (std::vector<std::string>{"model", "optimizer", "records", "counters"}));
+    const Json& model = j["components"][0];
+    EXPECT_EQ(model["tensors"][0],
+              (Json{{"name", "fc.weight"}, {"dtype", "F32"}, {"shape", {2, 3}}, {"bytes", 24}}));
+    EXPECT_EQ(model["tensors"].size(), 11u);
+    EXPECT_EQ(model["state"], (Json{{"config", {{"hidden", 3}}}}));
+    EXPECT_EQ(j["components"][3]["state"]["step"], 200);
+    ASSERT_EQ(j["records"].size(), 3u);
+    EXPECT_EQ(j["records"][0]["set"], "train");
+    EXPECT_EQ(j["records"][0]["metric"], "loss");
+    EXPECT_EQ(j["records"][0]["count"], 3);
+    EXPECT_EQ(j["records"][0]["last"], 0.25);
+    EXPECT_EQ(j["records"][0]["values"], (Json{1.0, 0.5, 0.25}));
+    if (directory) {
+      EXPECT_EQ(j["iteration"], 2);
+      EXPECT_EQ(j["metadata"]["metrics"]["val_loss"], 0.5);
+      EXPECT_EQ(model["file"], "model.safetensors");
+      EXPECT_EQ(model["size_bytes"], testing::file_size(p.ckpt(2) + "/model.safetensors"));
+    }
+  }
+}
+
+TEST(CliShow, RefusesCorruptUncommittedAndForeignPathsNamingThem) {
+  Project p;
+  Result corrupt_run = tp({"show", p.ckpt(10)});
+  EXPECT_EQ(corrupt_run.status, 2);
+  EXPECT_NE(corrupt_run.err.find(p.ckpt(10) + "/model.safetensors"), std::string::npos)
+      << corrupt_run.err;
+  Result uncommitted = tp({"show", p.ckpt(12)});
+  EXPECT_EQ(uncommitted.status, 2);
+  EXPECT_NE(uncommitted.err.find(p.ckpt(12) + " has no manifest.json"), std::string::npos)
+      << uncommitted.err;
+  Result half = tp({"show", p.temp});
+  EXPECT_EQ(half.status, 2);
+  EXPECT_NE(half.err.find(p.temp), std::string::npos) << half.err;
+  Result project = tp({"show", p.dir});
+  EXPECT_EQ(project.status, 2);
+  EXPECT_NE(project.err.find("torchpoint ls " + p.dir), std::string::npos) << project.err;
+  Result foreign = tp({"show", p.dir + "/notes.txt"});
+  EXPECT_EQ(foreign.status, 2);
+  EXPECT_NE(foreign.err.find(p.dir + "/notes.txt"), std::string::npos) << foreign.err;
+  Result missing = tp({"show", p.tmp / "nowhere"});
+  EXPECT_EQ(missing.status, 2);
+  EXPECT_NE(missing.err.find(p.tmp / "nowhere does not exist"), std::string::npos);
+}
+
+// ---------------------------------------------------------------------------------------------
+// verify
+
+TEST(CliVerify, ValidInvalidAndMissing) {
+  Project p;
+  Result ok = tp({"verify", p.ckpt(1)});
+  EXPECT_EQ(ok.status, 0) << ok.out << ok.err;
+  EXPECT_EQ(ok.out, "valid    " + p.ckpt(1) + "\n");
+
+  // Every problem, not only the first: two damaged files.
+  corrupt(p.ckpt(9) + "/optimizer.safetensors");
+  corrupt(p.ckpt(9) + "/model.safetensors");
+  Result bad = tp({"verify", p.ckpt(9)});
+  EXPECT_EQ(bad.status, 1);
+  EXPECT_NE(bad.out.find("INVALID  " + p.ckpt(9) + " (2 problems)"), std::string::npos) << bad.out;
+  EXPECT_NE(bad.out.find("  - " + p.ckpt(9) + "/model.safetensors"), std::string::npos);
+  EXPECT_NE(bad.out.find("  - " + p.ckpt(9) + "/optimizer.safetensors"), std::string::npos);
+
+  Result several = tp({"verify", p.ckpt(1), p.ckpt(10), p.ckpt(12), p.temp});
+  EXPECT_EQ(several.status, 1);
+  EXPECT_NE(several.out.find("4 checked: 1 valid, 3 invalid"), std::string::npos) << several.out;
+  EXPECT_NE(several.out.find("has no manifest.json"), std::string::npos);
+
+  Result missing = tp({"verify", p.ckpt(1), p.tmp / "nowhere"});
+  EXPECT_EQ(missing.status, 2);
+  EXPECT_NE(missing.err.find(p.tmp / "nowhere does not exist"), std::string::npos);
+  EXPECT_NE(missing.out.find("valid    " + p.ckpt(1)), std::string::npos);  // still checked
+
+  save_file_checkpoint(p.tmp / "state.ckpt", 1, 0);
+  EXPECT_EQ(tp({"verify", p.tmp / "state.ckpt"}).status, 0);
+  corrupt(p.tmp / "state.ckpt");
+  EXPECT_EQ(tp({"verify", p.tmp / "state.ckpt"}).status, 1);
+}
+
+TEST(CliVerify, Json) {
+  Project p;
+  Result run = tp({"verify", "--json", p.ckpt(1), p.ckpt(10)});
+  EXPECT_EQ(run.status, 1);
+  Json j = parse_json(run);
+  EXPECT_EQ(j["ok"], false);
+  ASSERT_EQ(j["results"].size(), 2u);
+  EXPECT_EQ(j["results"][0],
+            (Json{{"path", p.ckpt(1)}, {"ok", true}, {"problems", Json::array()}}));
+  EXPECT_EQ(j["results"][1]["ok"], false);
+  ASSERT_EQ(j["results"][1]["problems"].size(), 1u);
+  EXPECT_NE(j["results"][1]["problems"][0].get<std::string>().find("model.safetensors"),
+            std::string::npos);
+}
+
+// ---------------------------------------------------------------------------------------------
+// diff
+
+TEST(CliDiff, IdenticalAcrossDirectoryAndFileCheckpoints) {
+  Project p;
+  save_file_checkpoint(p.tmp / "state.ckpt", 200, 1);
+  Result same = tp({"diff", p.ckpt(2), p.tmp / "state.ckpt"});
+  EXPECT_EQ(same.status, 0) << same.out << same.err;
+  EXPECT_EQ(lines_of(same.out).back(), "identical");
+  EXPECT_EQ(words(line_with(same.out, "model/fc.weight")).front(), "equal");
+  EXPECT_NE(same.out.find("16 tensors: 16 equal"), std::string::npos) << same.out;
+}
+
+TEST(CliDiff, ReportsMaxAbsDifferenceAndOneSidedTensors) {
+  Project p;
+  Result run = tp({"diff", p.ckpt(1), p.ckpt(2)});  // shift 0 vs 1, step 100 vs 200
+  EXPECT_EQ(run.status, 1);
+  EXPECT_EQ(words(line_with(run.out, "model/fc.weight")),
+            (std::vector<std::string>{"DIFFERENT", "model/fc.weight", "max", "abs", "diff", "1"}));
+  EXPECT_EQ(words(line_with(run.out, "model/ids")).front(), "equal");
+  EXPECT_EQ(words(line_with(run.out, "model/special")).front(), "equal");  // NaN == NaN bitwise
+  EXPECT_NE(run.out.find("counters/step  100 vs 200"), std::string::npos) << run.out;
+  EXPECT_EQ(lines_of(run.out).back(), "not identical");
+
+  TempDir tmp;
+  StateDict a = model_state(0), b = model_state(0);
+  b.erase("fc.bias");
+  b.set("extra", torch::ones({3}));
+  b.set("ids", torch::tensor({1, 2}, torch::kInt));
+  b.set("mask", torch::tensor({true, false}));
+  b.set("special", torch::tensor({kNaN, 0.0, kInf, -kInf, 1e-300}, torch::kDouble));
+  save_directory(tmp / "a", {{"model", a.to_container()}});
+  save_directory(tmp / "b", {{"model", b.to_container()}});
+  Result d = tp({"diff", tmp / "a", tmp / "b"});
+  EXPECT_EQ(d.status, 1);
+  EXPECT_EQ(words(line_with(d.out, "model/fc.bias")),
+            (std::vector<std::string>{"ONLY", "IN", "A", "model/fc.bias", "F32", "[2]"}));
+  EXPECT_EQ(words(line_with(d.out, "model/extra")),
+            (std::vector<std::string>{"ONLY", "IN", "B", "model/extra", "F32", "[3]"}));
+  EXPECT_EQ(words(line_with(d.out, "model/ids")),
+            (std::vector<std::string>{"DTYPE", "model/ids", "I64", "vs", "I32"}));
+  EXPECT_EQ(words(line_with(d.out, "model/mask")),
+            (std::vector<std::string>{"SHAPE", "model/mask", "[3]", "vs", "[2]"}));
+  // -0.0 vs 0.0: different bits, no numeric difference.
+  EXPECT_NE(line_with(d.out, "model/special").find("max abs diff 0 (same values, different bits"),
+            std::string::npos)
+      << d.out;
+
+  Result j = tp({"diff", "--json", tmp / "a", tmp / "b"});
+  EXPECT_EQ(j.status, 1);
+  Json parsed = parse_json(j);
+  EXPECT_EQ(parsed["identical"], false);
+  std::map<std::string, std::string> status;
+  for (const Json& t : parsed["tensors"]) status[t["key"]] = t["status"];
+  EXPECT_EQ(status["model/fc.bias"], "only_in_a");
+  EXPECT_EQ(status["model/extra"], "only_in_b");
+  EXPECT_EQ(status["model/ids"], "dtype");
+  EXPECT_EQ(status["model/mask"], "shape");
+  EXPECT_EQ(status["model/special"], "different");
+  EXPECT_EQ(status["model/fc.weight"], "equal");
+}
+
+TEST(CliDiff, CorruptOrMissingSideIsAnError) {
+  Project p;
+  Result run = tp({"diff", p.ckpt(1), p.ckpt(10)});
+  EXPECT_EQ(run.status, 2);
+  EXPECT_NE(run.err.find(p.ckpt(10)), std::string::npos) << run.err;
+  EXPECT_EQ(tp({"diff", p.ckpt(1), p.tmp / "nowhere"}).status, 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// digest
+
+std::string digest_of(const Result& run) {
+  std::vector<std::string> w = words(run.out);
+  return w.empty() ? std::string() : w.front();
+}
+
+TEST(CliDigest, SameStateSameDigestInEitherLayout) {
+  Project p;
+  save_file_checkpoint(p.tmp / "state.ckpt", 200, 1);
+  Result dir = tp({"digest", p.ckpt(2)});
+  Result file = tp({"digest", p.tmp / "state.ckpt"});
+  ASSERT_EQ(dir.status, 0) << dir.err;
+  ASSERT_EQ(file.status, 0) << file.err;
+  EXPECT_EQ(dir.out, digest_of(dir) + "  " + p.ckpt(2) + "\n");
+  EXPECT_EQ(digest_of(dir).size(), 64u);
+  EXPECT_EQ(digest_of(dir), digest_of(file));
+  EXPECT_NE(digest_of(dir), digest_of(tp({"digest", p.ckpt(1)})));
+
+  Result model_dir = tp({"digest", p.ckpt(2), "--component", "model"});
+  Result model_file = tp({"digest", p.tmp / "state.ckpt", "--component", "model"});
+  EXPECT_EQ(digest_of(model_dir), digest_of(model_file));
+  EXPECT_NE(digest_of(model_dir), digest_of(dir));
+  // The optimizer of checkpoint_1 and _2 differ, their records do not.
+  EXPECT_EQ(digest_of(tp({"digest", p.ckpt(1), "--component", "records"})),
+            digest_of(tp({"digest", p.ckpt(2), "--component", "records"})));
+}
+
+void put_u64(tool::Sha256& h, std::uint64_t v) {
+  for (int i = 0; i < 8; ++i) {
+    unsigned char b = static_cast<unsigned char>(v >> (8 * i));
+    h.update(&b, 1);
+  }
+}
+
+TEST(CliDigest, FollowsTheDocumentedEncoding) {
+  TempDir tmp;
+  StateDict model;
+  model.set("w", torch::tensor({1.0f, 2.0f}));
+  model.set("b", torch::tensor({std::int64_t{3}}).reshape({1, 1}));
+  save_directory(tmp / "c", {{"model", model.to_container()}});
+  tool::Sha256 h;
+  h.update("torchpoint-digest-v1\n");
+  // Sorted by key: model/b before model/w.
+  put_u64(h, 7);
+  h.update("model/b");
+  put_u64(h, 3);
+  h.update("I64");
+  put_u64(h, 2);
+  put_u64(h, 1);
+  put_u64(h, 1);
+  put_u64(h, 8);
+  h.update(std::string("\x03\0\0\0\0\0\0\0", 8));
+  put_u64(h, 7);
+  h.update("model/w");
+  put_u64(h, 3);
+  h.update("F32");
+  put_u64(h, 1);
+  put_u64(h, 2);
+  put_u64(h, 8);
+  h.update(std::string("\x00\x00\x80\x3f\x00\x00\x00\x40", 8));
+  EXPECT_EQ(digest_of(tp({"digest", tmp / "c"})), h.hex_digest());
+}
+
+TEST(CliDigest, Errors) {
+  Project p;
+  Result corrupt_run = tp({"digest", p.ckpt(10)});
+  EXPECT_EQ(corrupt_run.status, 2);
+  EXPECT_NE(corrupt_run.err.find(p.ckpt(10)), std::string::npos);
+  EXPECT_EQ(corrupt_run.out, "");
+  Result component = tp({"digest", p.ckpt(1), "--component", "nope"});
+  EXPECT_EQ(component.status, 2);
+  EXPECT_NE(component.err.find("no component 'nope'; its components are: model, optimizer, "
+                               "records, counters"),
+            std::string::npos)
+      << component.err;
+  EXPECT_EQ(tp({"digest", p.temp}).status, 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// export: Python's torch.load reads the file as a dict of tensors with the same values
+
+std::string torch_dtype_name(c10::ScalarType t) {
+  switch (t) {
+    case torch::kFloat:
+      return "torch.float32";
+    case torch::kDouble:
+      return "torch.float64";
+    case torch::kHalf:
+      return "torch.float16";
+    case torch::kBFloat16:
+      return "torch.bfloat16";
+    case torch::kLong:
+      return "torch.int64";
+    case torch::kInt:
+      return "torch.int32";
+    case torch::kShort:
+      return "torch.int16";
+    case torch::kChar:
+      return "torch.int8";
+    case torch::kByte:
+      return "torch.uint8";
+    case torch::kBool:
+      return "torch.bool";
+    default:
+      return "?";
+  }
+}
+
+// {"<name>": {"dtype": "torch.float32", "shape": [...], "values": [...], "hex": "<bytes>"}},
+// in the component's order. Floats are exact (every element converts exactly to double);
+// NaN and infinities as strings.
+Json expected_export(const StateDict& component) {
+  Json out = Json::array();
+  for (const auto& [name, value] : component.entries()) {
+    if (!std::holds_alternative<at::Tensor>(value)) continue;
+    at::Tensor t = std::get<at::Tensor>(value).contiguous();
+    Json values = Json::array();
+    at::Tensor flat = t.reshape({-1});
+    for (std::int64_t i = 0; i < flat.numel(); ++i) {
+      if (t.is_floating_point()) {
+        double v = flat[i].item<double>();
+        values.push_back(std::isnan(v)   ? Json("nan")
+                         : std::isinf(v) ? Json(v > 0 ? "inf" : "-inf")
+                                         : Json(v));
+      } else if (t.scalar_type() == torch::kBool) {
+        values.push_back(flat[i].item<bool>());
+      } else {
+        values.push_back(flat[i].item<std::int64_t>());
+      }
+    }
+    std::string hex;
+    const auto* p = static_cast<const unsigned char*>(t.data_ptr());
+    for (std::int64_t i = 0; i < t.numel() * static_cast<std::int64_t>(t.element_size()); ++i) {
+      hex += fmt::format("{:02x}", p[i]);
+    }
+    out.push_back({{"name", name},
+                   {"dtype", torch_dtype_name(t.scalar_type())},
+                   {"shape", t.sizes().vec()},
+                   {"values", values},
+                   {"hex", hex}});
+  }
+  return out;
+}
+
+std::string source_dir() {
+  const char* src = std::getenv("TORCHPOINT_SOURCE_DIR");
+  return src ? src : "";
+}
+
+void expect_python_loads(const std::string& pt, const StateDict& component,
+                         const std::string& json_path) {
+  std::ofstream(json_path) << expected_export(component).dump();
+  ASSERT_FALSE(source_dir().empty()) << "TORCHPOINT_SOURCE_DIR is set by CTest";
+  TempDir scratch;
+  Result py = run_command(fmt::format("/usr/bin/python3 {} {} {}",
+                                      quote(source_dir() + "/tests/python/export_check.py"),
+                                      quote(pt), quote(json_path)),
+                          scratch / "stderr");
+  EXPECT_EQ(py.status, 0) << "export_check.py failed (it needs python3-torch):\n"
+                          << py.out << py.err;
+  EXPECT_NE(py.out.find("ok:"), std::string::npos) << py.out;
+}
+
+TEST(CliExport, TorchLoadReadsEveryValue) {
+  Project p;
+  std::string pt = p.tmp / "model.pt";
+  Result run = tp({"export", p.ckpt(2), pt});
+  ASSERT_EQ(run.status, 0) << run.err;
+  EXPECT_NE(run.out.find("wrote 11 tensors of component 'model'"), std::string::npos) << run.out;
+  expect_python_loads(pt, model_state(1), p.tmp / "expected.json");
+
+  // From a file checkpoint, another component.
+  save_file_checkpoint(p.tmp / "state.ckpt", 200, 1);
+  std::string opt = p.tmp / "optimizer.pt";
+  Result from_file = tp({"export", p.tmp / "state.ckpt", opt, "--component", "optimizer"});
+  ASSERT_EQ(from_file.status, 0) << from_file.err;
+  expect_python_loads(opt, optimizer_state(1), p.tmp / "expected_opt.json");
+}
+
+TEST(CliExport, Errors) {
+  Project p;
+  Result component = tp({"export", p.ckpt(1), p.tmp / "x.pt", "--component", "nope"});
+  EXPECT_EQ(component.status, 2);
+  EXPECT_NE(component.err.find("no component 'nope'"), std::string::npos) << component.err;
+  Result corrupt_run = tp({"export", p.ckpt(10), p.tmp / "x.pt"});
+  EXPECT_EQ(corrupt_run.status, 2);
+  EXPECT_NE(corrupt_run.err.find(p.ckpt(10)), std::string::npos);
+  EXPECT_FALSE(exists(p.tmp / "x.pt"));
+  Result no_dir = tp({"export", p.ckpt(1), p.tmp / "no/such/dir/x.pt"});
+  EXPECT_EQ(no_dir.status, 2);
+  EXPECT_NE(no_dir.err.find(p.tmp / "no/such/dir"), std::string::npos) << no_dir.err;
+}
+
+// ---------------------------------------------------------------------------------------------
+// plot
+
+int count(const std::string& text, const std::string& what) {
+  int n = 0;
+  for (std::size_t i = text.find(what); i != std::string::npos; i = text.find(what, i + 1)) ++n;
+  return n;
+}
+
+TEST(CliPlot, DrawsOneCurvePerSeriesWithALegend) {
+  Project p;
+  std::string svg_path = p.tmp / "curves.svg";
+  Result run = tp({"plot", p.ckpt(2), svg_path});
+  ASSERT_EQ(run.status, 0) << run.err;
+  EXPECT_EQ(run.out, "wrote 3 series to " + svg_path + "\n");
+  std::string svg = slurp(svg_path);
+  EXPECT_EQ(svg.rfind("<?xml", 0), 0u);
+  EXPECT_EQ(count(svg, "<polyline"), 3);
+  EXPECT_EQ(count(svg, "<circle"), 9);
+  for (const char* label : {">train loss<", ">valid loss<", ">train acc<", ">epoch<"}) {
+    EXPECT_NE(svg.find(label), std::string::npos) << label;
+  }
+  TempDir scratch;
+  Result xml = run_command(
+      "/usr/bin/python3 -c 'import sys, xml.etree.ElementTree as E; "
+      "r = E.parse(sys.argv[1]).getroot(); print(r.tag)' " +
+          quote(svg_path),
+      scratch / "stderr");
+  EXPECT_EQ(xml.out, "{http://www.w3.org/2000/svg}svg\n") << xml.err;
+
+  // A NaN breaks the curve; a file checkpoint's records are found too.
+  StateDict all;
+  MetricRecords r;
+  for (double v : {1.0, kNaN, 0.5, 0.4}) r.record("train", "loss<&>", v);
+  all.set_child("records", r.state_dict());
+  save_file(p.tmp / "nan.ckpt", all.to_container());
+  ASSERT_EQ(tp({"plot", p.tmp / "nan.ckpt", svg_path}).status, 0);
+  svg = slurp(svg_path);
+  EXPECT_EQ(count(svg, "<polyline"), 2);
+  EXPECT_EQ(count(svg, "<circle"), 3);
+  EXPECT_NE(svg.find(">train loss&lt;&amp;&gt;<"), std::string::npos);
+}
+
+TEST(CliPlot, Errors) {
+  Project p;
+  TempDir tmp;
+  save_directory(tmp / "c", {{"model", model_state(0).to_container()}});
+  Result none = tp({"plot", tmp / "c", tmp / "x.svg"});
+  EXPECT_EQ(none.status, 2);
+  EXPECT_NE(none.err.find(tmp / "c holds no metric records"), std::string::npos) << none.err;
+  EXPECT_FALSE(exists(tmp / "x.svg"));
+  Result corrupt_run = tp({"plot", p.ckpt(10), tmp / "x.svg"});
+  EXPECT_EQ(corrupt_run.status, 2);
+  EXPECT_NE(corrupt_run.err.find(p.ckpt(10)), std::string::npos);
+}
+
+// ---------------------------------------------------------------------------------------------
+// prune
+
+// checkpoint_1, _2, _3, _9, _10 valid (val_loss .9 .3 .5 .6 .7), checkpoint_11 corrupt,
+// checkpoint_12.tmp-… half-written.
+struct PruneProject {
+  TempDir tmp;
+  std::string dir = tmp / "checkpoints";
+  std::string ckpt(int n) const { return dir + "/checkpoint_" + std::to_string(n); }
+  std::string temp = dir + "/checkpoint_12.tmp-123-abcdef0123456789";
+  PruneProject() {
+    std::vector<std::pair<int, double>> runs = {{1, .9}, {2, .3},  {3, .5},
+                                                {9, .6}, {10, .7}, {11, .1}};
+    for (auto [n, loss] : runs) save_checkpoint(ckpt(n), n * 100, 0, loss);
+    corrupt(ckpt(11) + "/model.safetensors");
+    make_dir(temp);
+  }
+  std::vector<std::string> left() const { return testing::list_sorted(dir); }
+};
+
+std::string action(const std::string& out, const std::string& name) {
+  std::vector<std::string> w = words(line_with(out, name));
+  return w.empty() ? std::string() : w.front();
+}
+
+TEST(CliPrune, DryRunDeletesNothing) {
+  PruneProject p;
+  std::vector<std::string> before = p.left();
+  Result run = tp({"prune", p.tmp.path(), "--keep-last", "2", "--keep-best", "val_loss", "--mode",
+                   "min", "--dry-run"});
+  ASSERT_EQ(run.status, 0) << run.err;
+  EXPECT_EQ(lines_of(run.out).front(), "dry run: nothing is deleted");
+  EXPECT_EQ(action(run.out, "checkpoint_1"), "DELETE");
+  EXPECT_EQ(action(run.out, "checkpoint_2"), "KEEP");  // best val_loss (0.1 is corrupt)
+  EXPECT_EQ(action(run.out, "checkpoint_3"), "DELETE");
+  EXPECT_EQ(action(run.out, "checkpoint_9"), "KEEP");   // last 2
+  EXPECT_EQ(action(run.out, "checkpoint_10"), "KEEP");  // newest valid, last 2
+  EXPECT_EQ(action(run.out, "checkpoint_11"), "KEEP");  // corrupt: never deleted
+  EXPECT_EQ(action(run.out, "checkpoint_12.tmp-123-abcdef0123456789"), "KEEP");
+  EXPECT_NE(line_with(run.out, "checkpoint_2").find("best min val_loss=0.3"), std::string::npos);
+  EXPECT_NE(line_with(run.out, "checkpoint_10").find("newest valid; last 2"), std::string::npos);
+  // Rows in numeric order.
+  std::vector<std::string> lines = lines_of(run.out);
+  EXPECT_LT(line_index(lines, "checkpoint_9"), line_index(lines, "checkpoint_10"));
+  EXPECT_NE(run.out.find("5 kept, 2 would be deleted"), std::string::npos) << run.out;
+  EXPECT_EQ(p.left(), before);
+}
+
+TEST(CliPrune, DeletesWhatItSays) {
+  PruneProject p;
+  Result run = tp({"prune", p.dir, "--keep-last", "2", "--keep-best", "val_loss"});
+  ASSERT_EQ(run.status, 0) << run.err;
+  EXPECT_NE(run.out.find("5 kept, 2 deleted"), std::string::npos) << run.out;
+  EXPECT_EQ(p.left(), (std::vector<std::string>{".lock", "checkpoint_10", "checkpoint_11",
+                                                "checkpoint_12.tmp-123-abcdef0123456789",
+                                                "checkpoint_2", "checkpoint_9"}));
+  EXPECT_EQ(tp({"verify", p.ckpt(2), p.ckpt(9), p.ckpt(10)}).status, 0);
+}
+
+TEST(CliPrune, NeverDeletesTheNewestValidAndMaxModeKeepsTheHighest) {
+  PruneProject p;
+  Result run = tp({"prune", p.dir, "--keep-last", "0", "--keep-best", "val_loss", "--mode", "max"});
+  ASSERT_EQ(run.status, 0) << run.err;
+  EXPECT_EQ(p.left(),
+            (std::vector<std::string>{".lock", "checkpoint_1", "checkpoint_10", "checkpoint_11",
+                                      "checkpoint_12.tmp-123-abcdef0123456789"}));
+  Result again = tp({"prune", p.dir, "--keep-last", "0"});
+  ASSERT_EQ(again.status, 0) << again.err;
+  EXPECT_EQ(action(again.out, "checkpoint_10"), "KEEP");
+  EXPECT_EQ(p.left(), (std::vector<std::string>{".lock", "checkpoint_10", "checkpoint_11",
+                                                "checkpoint_12.tmp-123-abcdef0123456789"}));
+}
+
+TEST(CliPrune, Errors) {
+  PruneProject p;
+  std::vector<std::string> before = p.left();
+  Result metric = tp({"prune", p.dir, "--keep-last", "1", "--keep-best", "accuracy"});
+  EXPECT_EQ(metric.status, 2);
+  EXPECT_NE(metric.err.find("no valid checkpoint in " + p.dir + " records the metric 'accuracy'"),
+            std::string::npos)
+      << metric.err;
+  EXPECT_EQ(p.left(), before);
+  Result missing = tp({"prune", p.tmp / "nowhere", "--keep-last", "1"});
+  EXPECT_EQ(missing.status, 2);
+  EXPECT_NE(missing.err.find(p.tmp / "nowhere"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace torchpoint

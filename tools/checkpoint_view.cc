@@ -1,0 +1,268 @@
+#include "checkpoint_view.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+
+#include "format/container.h"
+#include "format/dtype.h"
+#include "format/manifest.h"
+#include "io/filename.h"
+#include "torchpoint/checkpoint_dir.h"
+#include "torchpoint/data_position.h"
+#include "torchpoint/error.h"
+
+namespace torchpoint::tool {
+namespace {
+
+// A container's contents as a StateDict. Files written from a StateDict keep their key order
+// under "order"; any other container gives its tensors, then its raw state's keys.
+StateDict to_state_dict(const Container& container) {
+  auto order = container.state.find("order");
+  if (order != container.state.end() && order->is_array()) {
+    return StateDict::from_container(container);
+  }
+  StateDict out;
+  for (const auto& [name, tensor] : container.tensors) out.set(name, tensor);
+  for (const auto& [key, value] : container.state.items()) out.set(key, value);
+  return out;
+}
+
+std::optional<std::int64_t> integer_value(const StateDict& state, const std::string& key) {
+  if (!state.contains(key) || state.is_tensor(key)) return std::nullopt;
+  const Json& v = state.value(key);
+  if (!v.is_number_integer()) return std::nullopt;
+  return v.get<std::int64_t>();
+}
+
+// The torchpoint metadata of a container file that load_file() has already validated.
+Json file_metadata(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  unsigned char size_bytes[8] = {};
+  if (!in.read(reinterpret_cast<char*>(size_bytes), 8)) return Json::object();
+  std::uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | size_bytes[i];
+  if (n > kMaxHeaderSize) return Json::object();
+  std::string header(n, '\0');
+  if (!in.read(header.data(), static_cast<std::streamsize>(n))) return Json::object();
+  Json parsed = Json::parse(header, nullptr, /*allow_exceptions=*/false);
+  auto metadata = parsed.is_object() ? parsed.find(std::string(kMetadataKey)) : parsed.end();
+  if (metadata == parsed.end() || !metadata->is_object()) return Json::object();
+  auto ours_text = metadata->find(std::string(kTorchpointKey));
+  if (ours_text == metadata->end() || !ours_text->is_string()) return Json::object();
+  Json ours = Json::parse(ours_text->get<std::string>(), nullptr, /*allow_exceptions=*/false);
+  return ours.is_object() ? ours : Json::object();
+}
+
+std::string string_field(const Json& object, const char* key) {
+  auto it = object.find(key);
+  return it != object.end() && it->is_string() ? it->get<std::string>() : std::string();
+}
+
+bool holds_checkpoints(Env& env, const std::string& dir) {
+  if (env.stat(join_path(dir, "checkpoints")).is_directory) return true;
+  try {
+    for (const std::string& name : env.list_dir(dir)) {
+      if (parse_checkpoint_name(name)) return true;
+    }
+  } catch (const Error&) {
+    // Only a hint for the error message that follows: an unreadable directory gives none.
+  }
+  return false;
+}
+
+CheckpointView open_directory(Env& env, const std::string& path) {
+  std::string manifest_path = join_path(path, kManifestFileName);
+  if (!env.stat(manifest_path).exists) {
+    std::string hint =
+        holds_checkpoints(env, path)
+            ? fmt::format("it holds checkpoints: list them with `torchpoint ls {}`", path)
+            : "it is not a torchpoint checkpoint, or its save never committed";
+    throw Error(ErrorCode::NotFound,
+                fmt::format("{} has no {}: {}", path, kManifestFileName, hint));
+  }
+  CheckpointView view;
+  view.path = path;
+  view.is_directory = true;
+  DirectoryCheckpoint checkpoint = load_directory(path, env);
+  Problems throwing;
+  Manifest manifest = parse_manifest(env.read_file(manifest_path), manifest_path, throwing);
+  view.format_version = fmt::format("{}.{}", manifest.version_major, manifest.version_minor);
+  view.torchpoint_version = manifest.torchpoint_version;
+  view.libtorch_version = manifest.libtorch_version;
+  view.created_unix_ms = manifest.created_unix_ms;
+  view.step = manifest.info.step;
+  view.iteration = manifest.info.iteration;
+  view.metadata = manifest.info.metadata;
+  view.size_bytes = env.stat(manifest_path).size;
+  for (std::size_t i = 0; i < checkpoint.components.size(); ++i) {
+    const Component& c = checkpoint.components[i];
+    ComponentView component;
+    component.name = c.name;
+    component.file = component_file_name(c.name);
+    for (const ManifestFile& f : manifest.files) {
+      if (f.component == c.name) component.file_size = f.size;
+    }
+    view.size_bytes += component.file_size;
+    component.state = to_state_dict(c.contents);
+    component.state.set_description(c.name);
+    view.components.push_back(std::move(component));
+  }
+  return view;
+}
+
+CheckpointView open_file(Env& env, const std::string& path) {
+  CheckpointView view;
+  view.path = path;
+  Container contents = load_file(path, env);
+  view.size_bytes = env.stat(path).size;
+  Json metadata = file_metadata(path);
+  view.format_version = string_field(metadata, "format_version");
+  view.torchpoint_version = string_field(metadata, "torchpoint_version");
+  view.libtorch_version = string_field(metadata, "libtorch_version");
+  StateDict all = to_state_dict(contents);
+  // Components in the order of their first key.
+  for (const auto& [key, value] : all.entries()) {
+    std::size_t dot = key.find('.');
+    std::string component_name = dot == std::string::npos ? "" : key.substr(0, dot);
+    std::string name = dot == std::string::npos ? key : key.substr(dot + 1);
+    auto it = std::find_if(view.components.begin(), view.components.end(),
+                           [&](const ComponentView& c) { return c.name == component_name; });
+    if (it == view.components.end()) {
+      view.components.push_back({component_name, "", 0, StateDict()});
+      it = view.components.end() - 1;
+      it->state.set_description(component_name.empty() ? base_name(path) : component_name);
+    }
+    if (std::holds_alternative<at::Tensor>(value)) {
+      it->state.set(name, std::get<at::Tensor>(value));
+    } else {
+      it->state.set(name, std::get<Json>(value));
+    }
+  }
+  for (const char* source : {"", "counters"}) {
+    if (const ComponentView* c = find_component(view, source)) {
+      if (!view.step) view.step = integer_value(c->state, "step");
+      if (!view.iteration) view.iteration = integer_value(c->state, "iteration");
+    }
+  }
+  return view;
+}
+
+void collect_records(const std::string& where, const StateDict& state,
+                     std::vector<RecordSeries>& out, std::vector<std::string>* problems) {
+  MetricRecords records;
+  try {
+    records.load_state_dict(state);
+  } catch (const Error& e) {
+    if (problems) {
+      problems->push_back(fmt::format("{}: not readable as metric records: {}", where, e.what()));
+    }
+    return;
+  }
+  for (const auto& [set, metric] : records.series()) {
+    out.push_back({where, set, metric, records.values(set, metric)});
+  }
+}
+
+}  // namespace
+
+CheckpointView open_checkpoint(const std::string& path) {
+  Env& env = Env::posix();
+  FileInfo info = env.stat(path);
+  if (!info.exists) {
+    throw Error(ErrorCode::NotFound, fmt::format("{} does not exist", path));
+  }
+  return info.is_directory ? open_directory(env, path) : open_file(env, path);
+}
+
+std::optional<std::int64_t> file_checkpoint_step(const std::string& path) {
+  Json metadata = file_metadata(path);
+  auto state = metadata.find("state");
+  if (state == metadata.end() || !state->is_object()) return std::nullopt;
+  auto values = state->find("values");
+  for (const char* key : {"step", "counters.step"}) {
+    // StateDict layout keeps JSON values under "values"; other containers at the top level.
+    for (const Json* where : {values != state->end() ? &*values : nullptr, &*state}) {
+      if (where == nullptr || !where->is_object()) continue;
+      auto v = where->find(key);
+      if (v != where->end() && v->is_number_integer()) return v->get<std::int64_t>();
+    }
+  }
+  return std::nullopt;
+}
+
+const ComponentView* find_component(const CheckpointView& view, const std::string& name) {
+  for (const ComponentView& c : view.components) {
+    if (c.name == name) return &c;
+  }
+  return nullptr;
+}
+
+std::string component_names(const CheckpointView& view) {
+  std::string out;
+  for (const ComponentView& c : view.components) {
+    if (!out.empty()) out += ", ";
+    out += c.name.empty() ? "(top level)" : c.name;
+  }
+  return out.empty() ? "(none)" : out;
+}
+
+std::vector<TensorRef> sorted_tensors(const ComponentView& component) {
+  std::vector<TensorRef> out;
+  for (const auto& [key, value] : component.state.entries()) {
+    if (std::holds_alternative<at::Tensor>(value)) {
+      out.push_back({component.name, key, std::get<at::Tensor>(value)});
+    }
+  }
+  std::sort(out.begin(), out.end(),
+            [](const TensorRef& a, const TensorRef& b) { return a.key() < b.key(); });
+  return out;
+}
+
+std::vector<TensorRef> sorted_tensors(const CheckpointView& view) {
+  std::vector<TensorRef> out;
+  for (const ComponentView& c : view.components) {
+    std::vector<TensorRef> part = sorted_tensors(c);
+    out.insert(out.end(), part.begin(), part.end());
+  }
+  std::sort(out.begin(), out.end(),
+            [](const TensorRef& a, const TensorRef& b) { return a.key() < b.key(); });
+  return out;
+}
+
+std::vector<RecordSeries> metric_records(const CheckpointView& view,
+                                         std::vector<std::string>* problems) {
+  std::vector<RecordSeries> out;
+  for (const ComponentView& c : view.components) {
+    if (c.name == "records" && c.state.contains("index")) {
+      collect_records("records", c.state, out, problems);
+    } else if (c.state.has_child("records") && c.state.child("records").contains("index")) {
+      StateDict child = c.state.child("records");
+      std::string where = c.name.empty() ? "records" : c.name + "/records";
+      child.set_description(where);
+      collect_records(where, child, out, problems);
+    }
+  }
+  return out;
+}
+
+std::string dtype_name(const at::Tensor& tensor) {
+  try {
+    return std::string(dtype_info(tensor.scalar_type(), "").name);
+  } catch (const Error&) {
+    // Tensors read from a checkpoint always have a safetensors dtype; this is for safety only.
+    return "?";
+  }
+}
+
+std::string shape_string(const at::Tensor& tensor) {
+  return fmt::format("[{}]", fmt::join(tensor.sizes(), ", "));
+}
+
+std::uint64_t tensor_bytes(const at::Tensor& tensor) {
+  return static_cast<std::uint64_t>(tensor.numel()) * tensor.element_size();
+}
+
+}  // namespace torchpoint::tool

@@ -1,0 +1,51 @@
+// torchpoint verify PATH...: every problem of every checkpoint named.
+#include <fmt/format.h>
+
+#include "commands.h"
+#include "output.h"
+#include "torchpoint/env.h"
+#include "torchpoint/tensor_file.h"
+
+namespace torchpoint::tool {
+
+int run_verify(const VerifyOptions& options, std::ostream& out, std::ostream& err) {
+  int status = kExitOk;
+  std::size_t valid = 0, invalid = 0, missing = 0;
+  Json results = Json::array();
+  for (const std::string& path : options.paths) {
+    if (!Env::posix().stat(path).exists) {
+      // Not a check that failed: there is nothing to check. Reported, and the others go on.
+      std::string message = fmt::format("{} does not exist", path);
+      err << "torchpoint verify: error: " << message << '\n';
+      results.push_back({{"path", path}, {"ok", false}, {"error", message}});
+      status = kExitError;
+      ++missing;
+      continue;
+    }
+    VerifyReport report = verify(path);
+    results.push_back({{"path", path}, {"ok", report.ok()}, {"problems", report.problems}});
+    if (report.ok()) {
+      ++valid;
+    } else {
+      ++invalid;
+      if (status == kExitOk) status = kExitCheckFailed;
+    }
+    if (options.json) continue;
+    if (report.ok()) {
+      out << fmt::format("valid    {}\n", path);
+    } else {
+      out << fmt::format("INVALID  {} ({} problem{})\n", path, report.problems.size(),
+                         report.problems.size() == 1 ? "" : "s");
+      for (const std::string& p : report.problems) out << "  - " << p << '\n';
+    }
+  }
+  if (options.json) {
+    print_json(out, {{"ok", status == kExitOk}, {"results", results}});
+  } else if (options.paths.size() > 1) {
+    out << fmt::format("{} checked: {} valid, {} invalid{}\n", options.paths.size(), valid, invalid,
+                       missing ? fmt::format(", {} missing", missing) : "");
+  }
+  return status;
+}
+
+}  // namespace torchpoint::tool
