@@ -9,6 +9,7 @@
 #include "torchpoint/env.h"
 #include "torchpoint/error.h"
 #include "torchpoint/grad_scaler.h"
+#include "torchpoint/interop.h"
 #include "torchpoint/lr_scheduler.h"
 #include "torchpoint/module_state.h"
 #include "torchpoint/optimizer_state.h"

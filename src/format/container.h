@@ -43,6 +43,7 @@ struct ContainerHeader {
   std::uint64_t header_checksum = 0;
   int version_major = 0;
   int version_minor = 0;
+  bool foreign = false;  // no torchpoint metadata (allowed only when asked): no checksums
 };
 
 // Where validation problems go: thrown at once as Corruption, or collected (verify).
@@ -72,13 +73,18 @@ WrittenFile write_container(Env& env, const std::string& path, const Container& 
 // `prefix` (at least 8 + header length of them). Every rule that does not need the data is
 // checked. With a throwing Problems the first problem throws; a collecting one returns what
 // could be parsed.
+// With `allow_foreign`, a safetensors file written by another tool (no torchpoint checksums)
+// is accepted after the structural checks, with `foreign` set.
 ContainerHeader parse_container_header(std::string_view prefix, std::uint64_t file_size,
-                                       const std::string& path, Problems& problems);
+                                       const std::string& path, Problems& problems,
+                                       bool allow_foreign = false);
 
 // load_file(), also returning the header checksum (which the manifest records).
-Container load_container(Env& env, const std::string& path, std::uint64_t* header_checksum);
+Container load_container(Env& env, const std::string& path, std::uint64_t* header_checksum,
+                         bool allow_foreign = false, bool* verified = nullptr);
 
 // Reads and parses the header of an open file.
-ContainerHeader read_container_header(File& file, const std::string& path, Problems& problems);
+ContainerHeader read_container_header(File& file, const std::string& path, Problems& problems,
+                                      bool allow_foreign = false);
 
 }  // namespace torchpoint

@@ -186,7 +186,8 @@ void parse_torchpoint_metadata(const nlohmann::json& metadata, const std::string
 }  // namespace
 
 ContainerHeader parse_container_header(std::string_view prefix, std::uint64_t file_size,
-                                       const std::string& path, Problems& problems) {
+                                       const std::string& path, Problems& problems,
+                                       bool allow_foreign) {
   ContainerHeader header;
   if (file_size < 8 || prefix.size() < 8) {
     problems.add(fmt::format("{} is {} bytes long, too short for a container header (8 bytes "
@@ -215,9 +216,12 @@ ContainerHeader parse_container_header(std::string_view prefix, std::uint64_t fi
   std::string key = fmt::format("\"{}\":\"", kHeaderChecksumKey);
   std::size_t tail = key.size() + kChecksumHexLength + 3;  // digits, then "}}
   bool header_ok = true;
-  if (last == std::string_view::npos || last + 1 < tail ||
-      text.substr(last + 1 - tail, key.size()) != key ||
-      text.substr(last - 2, 3) != "\"}}") {
+  bool has_tail = !(last == std::string_view::npos || last + 1 < tail ||
+                    text.substr(last + 1 - tail, key.size()) != key ||
+                    text.substr(last - 2, 3) != "\"}}");
+  if (!has_tail && allow_foreign) {
+    header.foreign = true;  // another writer's file: structure only, no checksums
+  } else if (!has_tail) {
     problems.add(fmt::format("{}: the header does not end with its checksum: not a torchpoint "
                              "file, or its header is damaged",
                              path));
@@ -298,6 +302,10 @@ ContainerHeader parse_container_header(std::string_view prefix, std::uint64_t fi
   for (std::size_t i : by_offset) ordered.push_back(std::move(header.entries[i]));
   header.entries = std::move(ordered);
 
+  if (header.foreign) {
+    for (std::size_t i = 0; i < header.entries.size(); ++i) header.caller_order.push_back(i);
+    return header;
+  }
   if (metadata == nullptr) {
     problems.add(fmt::format("{}: the header has no __metadata__: not a torchpoint file", path));
     return header;
@@ -306,7 +314,8 @@ ContainerHeader parse_container_header(std::string_view prefix, std::uint64_t fi
   return header;
 }
 
-ContainerHeader read_container_header(File& file, const std::string& path, Problems& problems) {
+ContainerHeader read_container_header(File& file, const std::string& path, Problems& problems,
+                                      bool allow_foreign) {
   std::uint64_t file_size = file.size();
   std::string prefix(std::min<std::uint64_t>(file_size, 8), '\0');
   file.read_exact(prefix.data(), prefix.size(), 0);
@@ -319,7 +328,7 @@ ContainerHeader read_container_header(File& file, const std::string& path, Probl
       file.read_exact(prefix.data() + 8, n, 8);
     }
   }
-  return parse_container_header(prefix, file_size, path, problems);
+  return parse_container_header(prefix, file_size, path, problems, allow_foreign);
 }
 
 namespace {
@@ -342,10 +351,12 @@ void check_data(const ContainerHeader& header, const MappedRegion& region, const
 
 Container load_file(const std::string& path, Env& env) { return load_container(env, path, nullptr); }
 
-Container load_container(Env& env, const std::string& path, std::uint64_t* header_checksum) {
+Container load_container(Env& env, const std::string& path, std::uint64_t* header_checksum,
+                         bool allow_foreign, bool* verified) {
   std::unique_ptr<File> file = env.open(path, OpenMode::Read);
   Problems throwing;
-  ContainerHeader header = read_container_header(*file, path, throwing);
+  ContainerHeader header = read_container_header(*file, path, throwing, allow_foreign);
+  if (verified != nullptr) *verified = !header.foreign;
   if (header_checksum != nullptr) *header_checksum = header.header_checksum;
   std::shared_ptr<MappedRegion> region = file->map();
   // The mapping is of the file as it is now; a size change since the header was read means a
@@ -353,7 +364,7 @@ Container load_container(Env& env, const std::string& path, std::uint64_t* heade
   if (region->size() != header.data_start + (header.entries.empty() ? 0 : header.entries.back().end)) {
     throw Error(ErrorCode::Corruption, fmt::format("{} changed size while being read", path));
   }
-  check_data(header, *region, path, throwing);
+  if (!header.foreign) check_data(header, *region, path, throwing);
 
   Container out;
   out.state = std::move(header.state);
