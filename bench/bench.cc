@@ -5,9 +5,11 @@
 //   torchpoint_bench [--reps N] [--states S1,S2,S3] [--dir PATH] [--hot] [--no-recycle]
 //                    [--quick] [--json]
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <malloc.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <torch/torch.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -21,15 +23,12 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>
 #include <system_error>
 #include <thread>
 #include <vector>
-
-#include <fmt/format.h>
-#include <torch/torch.h>
-#include <nlohmann/json.hpp>
 
 #include "torchpoint/tensor_file.h"
 

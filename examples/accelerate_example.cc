@@ -3,11 +3,10 @@
 // state, train, restore checkpoint_0, and resume 100 batches into an epoch.
 //
 // Usage: accelerate_example WORK_DIR
+#include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <cstdio>
-
-#include <fmt/format.h>
 
 #include "torchpoint/accelerator.h"
 #include "torchpoint/error.h"
@@ -44,9 +43,10 @@ int main(int argc, char** argv) {
   tp::Accelerator accelerator(
       tp::ProjectConfiguration().project_dir(save_path).automatic_checkpoint_naming(true));
   torch::manual_seed(0);
-  auto my_model = torch::nn::Sequential(torch::nn::Linear(10, 32), torch::nn::ReLU(),
-                                        torch::nn::Linear(32, 1));
-  torch::optim::SGD my_optimizer(my_model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  auto my_model =
+      torch::nn::Sequential(torch::nn::Linear(10, 32), torch::nn::ReLU(), torch::nn::Linear(32, 1));
+  torch::optim::SGD my_optimizer(my_model->parameters(),
+                                 torch::optim::SGDOptions(0.05).momentum(0.9));
   auto my_training_dataloader = tp::make_resumable_data_loader(
       Regression().map(torch::data::transforms::Stack<>()),
       torch::data::DataLoaderOptions().batch_size(16), /*shuffle=*/true, /*seed=*/0);
@@ -88,7 +88,8 @@ int main(int argc, char** argv) {
   tp::LoadStateReport report = accelerator.load_state(save_path + "/checkpoints/checkpoint_0");
   std::printf("restored %s: %s\n", report.path.c_str(),
               fmt::format("{}", fmt::join(report.components, ", ")).c_str());
-  check(model->parameters()[0].equal(initial_weight), "model weights are back to the starting state");
+  check(model->parameters()[0].equal(initial_weight),
+        "model weights are back to the starting state");
   check(my_scheduler.get_last_lr()[0] == 0.05, "the registered LR scheduler is back at lr 0.05");
   check(accelerator.save_state() == save_path + "/checkpoints/checkpoint_1",
         "the next save is checkpoint_1 (the iteration was restored, not reset)");
@@ -105,21 +106,24 @@ int main(int argc, char** argv) {
     }
     ++first_epoch;
   }
-  check(first_epoch == 25 && first_batch_right,
-        fmt::format("after skip_first_batches(100): {} batches, starting at batch 100", first_epoch));
+  check(
+      first_epoch == 25 && first_batch_right,
+      fmt::format("after skip_first_batches(100): {} batches, starting at batch 100", first_epoch));
   int second_epoch = 0;
   for (auto& batch : *train_dataloader) {
     (void)batch;
     ++second_epoch;
   }
-  check(second_epoch == 125, fmt::format("the next epoch is whole again: {} batches", second_epoch));
+  check(second_epoch == 125,
+        fmt::format("the next epoch is whole again: {} batches", second_epoch));
 
   try {
     tp::Accelerator manual(tp::ProjectConfiguration().project_dir(save_path));
     manual.save_state();
     check(false, "save_state() without a directory or automatic naming must fail");
   } catch (const tp::Error& e) {
-    check(e.code() == tp::ErrorCode::InvalidArgument, "without automatic naming, a directory is required:");
+    check(e.code() == tp::ErrorCode::InvalidArgument,
+          "without automatic naming, a directory is required:");
     std::printf("    %s\n", e.what());
   }
   std::printf("%s\n", failures == 0 ? "accelerate example: all checks passed"

@@ -3,14 +3,13 @@
 // bit for bit; then show what torchpoint does with a corrupt file and an existing checkpoint.
 //
 // Usage: torchpoint_demo WORK_DIR
+#include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <iterator>
-
-#include <fmt/format.h>
 
 #include "torchpoint/checkpoint_dir.h"
 #include "torchpoint/error.h"
@@ -145,7 +144,8 @@ int main(int argc, char** argv) {
     tp::save_directory(ckpt_dir, snapshot(original));
     check(false, "overwriting a committed checkpoint must fail");
   } catch (const tp::Error& e) {
-    check(e.code() == tp::ErrorCode::InvalidArgument, "refused: committed checkpoints are never overwritten");
+    check(e.code() == tp::ErrorCode::InvalidArgument,
+          "refused: committed checkpoints are never overwritten");
     std::printf("    %s\n", e.what());
   }
   std::printf("%s\n", failures == 0 ? "demo: all checks passed" : "demo: SOME CHECKS FAILED");

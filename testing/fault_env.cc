@@ -1,12 +1,11 @@
 #include "testing/fault_env.h"
 
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <random>
-
-#include <fmt/format.h>
 
 #include "io/filename.h"
 #include "io/posix_error.h"
@@ -16,39 +15,58 @@ namespace torchpoint::testing {
 
 const char* op_name(Op op) {
   switch (op) {
-    case Op::Open: return "open";
-    case Op::Write: return "write";
-    case Op::Read: return "read";
-    case Op::Sync: return "sync";
-    case Op::Truncate: return "truncate";
-    case Op::Close: return "close";
-    case Op::Size: return "size";
-    case Op::Map: return "map";
-    case Op::SyncDir: return "sync_dir";
-    case Op::Rename: return "rename";
-    case Op::Mkdir: return "mkdir";
-    case Op::RemoveFile: return "remove_file";
-    case Op::RemoveDir: return "remove_dir";
-    case Op::List: return "list";
-    case Op::Stat: return "stat";
-    case Op::Lock: return "lock";
+    case Op::Open:
+      return "open";
+    case Op::Write:
+      return "write";
+    case Op::Read:
+      return "read";
+    case Op::Sync:
+      return "sync";
+    case Op::Truncate:
+      return "truncate";
+    case Op::Close:
+      return "close";
+    case Op::Size:
+      return "size";
+    case Op::Map:
+      return "map";
+    case Op::SyncDir:
+      return "sync_dir";
+    case Op::Rename:
+      return "rename";
+    case Op::Mkdir:
+      return "mkdir";
+    case Op::RemoveFile:
+      return "remove_file";
+    case Op::RemoveDir:
+      return "remove_dir";
+    case Op::List:
+      return "list";
+    case Op::Stat:
+      return "stat";
+    case Op::Lock:
+      return "lock";
   }
   return "?";
 }
 
 const std::set<Op>& all_ops() {
-  static const std::set<Op> ops = {Op::Open,    Op::Write,  Op::Read,       Op::Sync,
-                                   Op::Truncate, Op::Close,  Op::Size,       Op::Map,
-                                   Op::SyncDir, Op::Rename, Op::Mkdir,      Op::RemoveFile,
-                                   Op::RemoveDir, Op::List, Op::Stat,       Op::Lock};
+  static const std::set<Op> ops = {Op::Open,      Op::Write,  Op::Read,  Op::Sync,
+                                   Op::Truncate,  Op::Close,  Op::Size,  Op::Map,
+                                   Op::SyncDir,   Op::Rename, Op::Mkdir, Op::RemoveFile,
+                                   Op::RemoveDir, Op::List,   Op::Stat,  Op::Lock};
   return ops;
 }
 
 const char* power_cut_mode_name(PowerCutMode mode) {
   switch (mode) {
-    case PowerCutMode::DropUnsynced: return "drop-unsynced";
-    case PowerCutMode::RandomPrefix: return "random-prefix";
-    case PowerCutMode::Garbage: return "garbage";
+    case PowerCutMode::DropUnsynced:
+      return "drop-unsynced";
+    case PowerCutMode::RandomPrefix:
+      return "random-prefix";
+    case PowerCutMode::Garbage:
+      return "garbage";
   }
   return "?";
 }

@@ -20,17 +20,31 @@
 namespace torchpoint::testing {
 
 enum class Op {
-  Open, Write, Read, Sync, Truncate, Close, Size, Map,
-  SyncDir, Rename, Mkdir, RemoveFile, RemoveDir, List, Stat, Lock,
+  Open,
+  Write,
+  Read,
+  Sync,
+  Truncate,
+  Close,
+  Size,
+  Map,
+  SyncDir,
+  Rename,
+  Mkdir,
+  RemoveFile,
+  RemoveDir,
+  List,
+  Stat,
+  Lock,
 };
 const char* op_name(Op op);
 // Every op.
 const std::set<Op>& all_ops();
 
 enum class PowerCutMode {
-  DropUnsynced,   // unsynced bytes vanish (files shrink to their synced length)
-  RandomPrefix,   // a random prefix of the unsynced bytes survives
-  Garbage,        // unsynced bytes keep their place but hold random garbage
+  DropUnsynced,  // unsynced bytes vanish (files shrink to their synced length)
+  RandomPrefix,  // a random prefix of the unsynced bytes survives
+  Garbage,       // unsynced bytes keep their place but hold random garbage
 };
 const char* power_cut_mode_name(PowerCutMode mode);
 

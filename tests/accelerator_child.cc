@@ -62,7 +62,8 @@ int main(int argc, char** argv) {
     if (saves + 1 == kill_save && ++ops_in_save == kill_op) ::raise(SIGKILL);
   });
   tp::testing::AcceleratorJob job(
-      tp::ProjectConfiguration().project_dir(project).automatic_checkpoint_naming(true).total_limit(3),
+      tp::ProjectConfiguration().project_dir(project).automatic_checkpoint_naming(true).total_limit(
+          3),
       env);
   if (!job.acc.list_checkpoints().empty()) {
     tp::LoadStateReport r = job.acc.load_state();

@@ -64,18 +64,18 @@ TEST(AcceleratorCrash, KilledAtTenPointsResumesBitIdentically) {
   ASSERT_FALSE(reference.final_digest.empty());
 
   const std::vector<std::string> plans = {
-      "step:1",          // before any save
-      "step:7",          // mid-epoch, two steps after a save
-      "step:13",         // last batch of epoch 0, before the epoch's end work
-      "step:14",         // first batch of epoch 1
-      "step:26",         // end of epoch 1
-      "step:33",         // mid-epoch 2
-      "after_save:1",    // right after the first save (step 5)
-      "after_save:5",    // right after the save at step 25
-      "save:2:op:3",     // early in the second save
-      "save:3:op:12",    // mid-file in the third save
-      "save:4:op:30",    // late in the fourth save (around the commit rename)
-      "save:6:op:45",    // at retention after the sixth save
+      "step:1",        // before any save
+      "step:7",        // mid-epoch, two steps after a save
+      "step:13",       // last batch of epoch 0, before the epoch's end work
+      "step:14",       // first batch of epoch 1
+      "step:26",       // end of epoch 1
+      "step:33",       // mid-epoch 2
+      "after_save:1",  // right after the first save (step 5)
+      "after_save:5",  // right after the save at step 25
+      "save:2:op:3",   // early in the second save
+      "save:3:op:12",  // mid-file in the third save
+      "save:4:op:30",  // late in the fourth save (around the commit rename)
+      "save:6:op:45",  // at retention after the sixth save
   };
   for (const std::string& plan : plans) {
     SCOPED_TRACE("kill plan " + plan);

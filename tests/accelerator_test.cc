@@ -1,19 +1,20 @@
 // The Accelerator front door: Accelerate's documented behaviour, and what Accelerate gets wrong.
+#include "torchpoint/accelerator.h"
+
 #include <torch/torch.h>
 
 #include "io/filename.h"
 #include "testing/fault_env.h"
 #include "testing/test_util.h"
 #include "tests/accelerator_job.h"
-#include "torchpoint/accelerator.h"
 #include "torchpoint/error.h"
 
 namespace torchpoint {
 namespace {
 
 using testing::AcceleratorJob;
-using testing::TempDir;
 using testing::expect_error;
+using testing::TempDir;
 
 ProjectConfiguration automatic(const std::string& dir) {
   return ProjectConfiguration().project_dir(dir).automatic_checkpoint_naming(true);
@@ -29,7 +30,6 @@ void expect_same_state(StateDict a, StateDict b) {
     }
   }
 }
-
 
 TEST(Accelerator, ProjectConfigurationHasAcceleratesDefaults) {
   ProjectConfiguration c;
@@ -66,7 +66,8 @@ TEST(Accelerator, SkipFirstBatchesStartsMidEpochThenWholeEpochs) {
   std::vector<std::int64_t> first;
   for (auto& batch : *skipped) first.push_back(batch.data.size(0));
   EXPECT_EQ(first.size(), 3u) << "13 batches per epoch, 10 skipped";
-  EXPECT_EQ(job.loader->sampler().epoch(), 0) << "skipping must not change the epoch (accelerate#3242)";
+  EXPECT_EQ(job.loader->sampler().epoch(), 0)
+      << "skipping must not change the epoch (accelerate#3242)";
   std::size_t whole = 0;
   for (auto& batch : *job.loader) whole += batch.data.size(0);
   EXPECT_EQ(whole, 200u);
@@ -181,8 +182,9 @@ TEST(Accelerator, RegisteredObjectsAreSavedInOrderAndCountsMustMatch) {
 
   AcceleratorJob fewer(automatic(dir.path()));
   Error e = expect_error([&] { fewer.acc.load_state(); }, ErrorCode::Incompatible);
-  EXPECT_NE(std::string(e.what()).find("holds 3 objects saved with register_for_checkpointing but 1"),
-            std::string::npos)
+  EXPECT_NE(
+      std::string(e.what()).find("holds 3 objects saved with register_for_checkpointing but 1"),
+      std::string::npos)
       << e.what();
 }
 
@@ -215,7 +217,8 @@ TEST(Accelerator, BadInputGivesClearErrors) {
   auto before = wide->parameters()[0].clone();
   Error shape =
       expect_error([&] { other.acc.load_state(dir / "manual_ckpt"); }, ErrorCode::Incompatible);
-  EXPECT_NE(std::string(shape.what()).find("size mismatch for 0.weight: checkpoint [32, 10], model [64, 10]"),
+  EXPECT_NE(std::string(shape.what())
+                .find("size mismatch for 0.weight: checkpoint [32, 10], model [64, 10]"),
             std::string::npos)
       << shape.what();
   EXPECT_TRUE(wide->parameters()[0].equal(before));

@@ -15,10 +15,12 @@ inline std::vector<Component> crash_state(std::uint64_t i) {
   // the O_DIRECT path is exercised too.
   std::int64_t rows = 64 + static_cast<std::int64_t>(i % 7) * 32;
   return {
-      {"model", {{{"w", make_tensor(at::kFloat, {rows, 1024}, i)},
-                  {"b", make_tensor(at::kDouble, {rows}, i + 1)}}, {{"i", i}}}},
-      {"optimizer", {{{"step", at::scalar_tensor(static_cast<std::int64_t>(i), at::kLong)}},
-                     {{"i", i}}}},
+      {"model",
+       {{{"w", make_tensor(at::kFloat, {rows, 1024}, i)},
+         {"b", make_tensor(at::kDouble, {rows}, i + 1)}},
+        {{"i", i}}}},
+      {"optimizer",
+       {{{"step", at::scalar_tensor(static_cast<std::int64_t>(i), at::kLong)}}, {{"i", i}}}},
       {"random_states_0", {{{"cpu", make_tensor(at::kByte, {5056}, i + 2)}}, {}}},
   };
 }

@@ -13,8 +13,8 @@
 #include <thread>
 
 #include "io/filename.h"
-#include "tests/crash_state.h"
 #include "testing/test_util.h"
+#include "tests/crash_state.h"
 #include "torchpoint/checkpoint_dir.h"
 #include "torchpoint/error.h"
 
@@ -95,8 +95,8 @@ TEST(Crash, SigkillAtRandomMomentsNeverLosesOrTearsACommittedCheckpoint) {
   const char* kills_env = std::getenv("TORCHPOINT_CRASH_KILLS");
   const int kills = kills_env ? std::atoi(kills_env) : 100;
   const char* seed_env = std::getenv("TORCHPOINT_CRASH_SEED");
-  const std::uint64_t seed = seed_env ? std::strtoull(seed_env, nullptr, 10)
-                                      : std::random_device{}();
+  const std::uint64_t seed =
+      seed_env ? std::strtoull(seed_env, nullptr, 10) : std::random_device{}();
   std::printf("crash test: %d kills, seed %llu (replay with TORCHPOINT_CRASH_SEED)\n", kills,
               static_cast<unsigned long long>(seed));
   std::mt19937_64 rng(seed);

@@ -20,8 +20,10 @@ using testing::TempDir;
 // Big enough for the threaded O_DIRECT pipeline (over one 8 MiB chunk), plus small files.
 std::vector<Component> components(int seed) {
   return {
-      {"model", {{{"big", testing::make_tensor(at::kFloat, {9, 256, 1024}, seed)},
-                  {"bias", testing::make_tensor(at::kFloat, {17}, seed + 1)}}, {{"seed", seed}}}},
+      {"model",
+       {{{"big", testing::make_tensor(at::kFloat, {9, 256, 1024}, seed)},
+         {"bias", testing::make_tensor(at::kFloat, {17}, seed + 1)}},
+        {{"seed", seed}}}},
       {"optimizer", {{{"step", at::tensor(int64_t{seed})}}, {{"lr", 0.5}}}},
   };
 }

@@ -9,8 +9,8 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
-#include <functional>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <string>
 #include <vector>
@@ -24,9 +24,8 @@ namespace torchpoint {
 namespace {
 
 using testing::bitwise_equal;
-using testing::TempDir;
 using testing::expect_error;
-
+using testing::TempDir;
 
 std::uint64_t bits(double d) { return std::bit_cast<std::uint64_t>(d); }
 

@@ -1,7 +1,8 @@
 // Weights written by Python (torch.save of a state dict, and a safetensors file from another
 // writer) load into a LibTorch module with the exact values.
-#include <sys/wait.h>
+#include "torchpoint/interop.h"
 
+#include <sys/wait.h>
 #include <torch/torch.h>
 
 #include <cmath>
@@ -10,7 +11,6 @@
 
 #include "testing/test_util.h"
 #include "torchpoint/error.h"
-#include "torchpoint/interop.h"
 #include "torchpoint/module_state.h"
 
 namespace torchpoint {
@@ -32,8 +32,8 @@ class FromPython : public ::testing::Test {
 
   // Loads `sd` into a fresh Sequential and checks every value against Python's.
   void expect_python_values(const StateDict& sd) {
-    auto model = torch::nn::Sequential(torch::nn::Linear(4, 3), torch::nn::ReLU(),
-                                       torch::nn::Linear(3, 2));
+    auto model =
+        torch::nn::Sequential(torch::nn::Linear(4, 3), torch::nn::ReLU(), torch::nn::Linear(3, 2));
     LoadReport report = load_module_state_dict(*model, sd);
     EXPECT_EQ(report.loaded.size(), 4u);
     for (const auto& item : model->named_parameters()) {

@@ -1,9 +1,10 @@
 // Module state: round trip, continuation, and loads that check everything before changing it.
+#include "torchpoint/module_state.h"
+
 #include <torch/torch.h>
 
 #include "testing/test_util.h"
 #include "torchpoint/error.h"
-#include "torchpoint/module_state.h"
 #include "torchpoint/tensor_file.h"
 
 namespace torchpoint {
@@ -39,10 +40,9 @@ bool unchanged(const torch::nn::Module& m, const std::vector<torch::Tensor>& bef
 TEST(ModuleState, HoldsParametersThenBuffersByName) {
   Net net;
   StateDict sd = module_state_dict(*net);
-  EXPECT_EQ(sd.keys(), (std::vector<std::string>{
-                           "fc1.weight", "fc1.bias", "bn.weight", "bn.bias", "fc2.weight",
-                           "fc2.bias", "bn.running_mean", "bn.running_var",
-                           "bn.num_batches_tracked"}));
+  EXPECT_EQ(sd.keys(), (std::vector<std::string>{"fc1.weight", "fc1.bias", "bn.weight", "bn.bias",
+                                                 "fc2.weight", "fc2.bias", "bn.running_mean",
+                                                 "bn.running_var", "bn.num_batches_tracked"}));
 }
 
 TEST(ModuleState, ContinuationThroughAFileIsBitIdentical) {

@@ -1,11 +1,12 @@
 // Optimizer state for all six LibTorch 1.13 optimizers: continuation is bit-identical, and
 // mismatches are clear errors that leave the optimizer untouched.
+#include "torchpoint/optimizer_state.h"
+
 #include <torch/torch.h>
 
 #include "testing/test_util.h"
 #include "torchpoint/error.h"
 #include "torchpoint/module_state.h"
-#include "torchpoint/optimizer_state.h"
 #include "torchpoint/tensor_file.h"
 
 namespace torchpoint {
@@ -34,36 +35,44 @@ std::vector<OptimizerCase> cases() {
     return g;
   };
   return {
-      {"SGD", [=](auto a, auto b) -> std::unique_ptr<Optimizer> {
-         return std::make_unique<SGD>(groups(SGDOptions(0.05).momentum(0.9).nesterov(true),
-                                             SGDOptions(0.02).momentum(0.5).weight_decay(1e-3), a, b),
-                                      SGDOptions(0.05));
+      {"SGD",
+       [=](auto a, auto b) -> std::unique_ptr<Optimizer> {
+         return std::make_unique<SGD>(
+             groups(SGDOptions(0.05).momentum(0.9).nesterov(true),
+                    SGDOptions(0.02).momentum(0.5).weight_decay(1e-3), a, b),
+             SGDOptions(0.05));
        }},
-      {"Adam", [=](auto a, auto b) -> std::unique_ptr<Optimizer> {
-         return std::make_unique<Adam>(groups(AdamOptions(1e-2), AdamOptions(3e-3).amsgrad(true), a, b),
-                                       AdamOptions(1e-2));
+      {"Adam",
+       [=](auto a, auto b) -> std::unique_ptr<Optimizer> {
+         return std::make_unique<Adam>(
+             groups(AdamOptions(1e-2), AdamOptions(3e-3).amsgrad(true), a, b), AdamOptions(1e-2));
        }},
-      {"AdamW", [=](auto a, auto b) -> std::unique_ptr<Optimizer> {
+      {"AdamW",
+       [=](auto a, auto b) -> std::unique_ptr<Optimizer> {
          return std::make_unique<AdamW>(
              groups(AdamWOptions(1e-2).betas({0.8, 0.99}), AdamWOptions(2e-3).amsgrad(true), a, b),
              AdamWOptions(1e-2));
        }},
-      {"RMSprop", [=](auto a, auto b) -> std::unique_ptr<Optimizer> {
+      {"RMSprop",
+       [=](auto a, auto b) -> std::unique_ptr<Optimizer> {
          return std::make_unique<RMSprop>(
              groups(RMSpropOptions(1e-2).momentum(0.9).centered(true), RMSpropOptions(5e-3), a, b),
              RMSpropOptions(1e-2));
        }},
-      {"Adagrad", [=](auto a, auto b) -> std::unique_ptr<Optimizer> {
+      {"Adagrad",
+       [=](auto a, auto b) -> std::unique_ptr<Optimizer> {
          return std::make_unique<Adagrad>(
-             groups(AdagradOptions(0.1).lr_decay(1e-3), AdagradOptions(0.05).initial_accumulator_value(0.1), a, b),
+             groups(AdagradOptions(0.1).lr_decay(1e-3),
+                    AdagradOptions(0.05).initial_accumulator_value(0.1), a, b),
              AdagradOptions(0.1));
        }},
-      {"LBFGS", [=](auto a, auto b) -> std::unique_ptr<Optimizer> {
+      {"LBFGS",
+       [=](auto a, auto b) -> std::unique_ptr<Optimizer> {
          std::vector<torch::Tensor> all = a;
          all.insert(all.end(), b.begin(), b.end());
          // LBFGS supports one param group only.
-         return std::make_unique<LBFGS>(all, LBFGSOptions(0.5).history_size(4).max_iter(3)
-                                                 .line_search_fn("strong_wolfe"));
+         return std::make_unique<LBFGS>(
+             all, LBFGSOptions(0.5).history_size(4).max_iter(3).line_search_fn("strong_wolfe"));
        }},
   };
 }
@@ -168,14 +177,16 @@ TEST(OptimizerState, MismatchesAreClearAndLeaveTheOptimizerUntouched) {
     FAIL();
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::Incompatible);
-    EXPECT_NE(std::string(e.what()).find("saved from a Adam optimizer but is being loaded into a SGD"),
-              std::string::npos)
+    EXPECT_NE(
+        std::string(e.what()).find("saved from a Adam optimizer but is being loaded into a SGD"),
+        std::string::npos)
         << e.what();
   }
 
   // Same type, other shapes: the second layer is wider.
   torch::manual_seed(5);
-  auto wide = torch::nn::Sequential(torch::nn::Linear(6, 7), torch::nn::Tanh(), torch::nn::Linear(7, 2));
+  auto wide =
+      torch::nn::Sequential(torch::nn::Linear(6, 7), torch::nn::Tanh(), torch::nn::Linear(7, 2));
   auto p = wide->parameters();
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(std::vector<torch::Tensor>(p.begin(), p.begin() + 2),

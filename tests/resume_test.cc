@@ -135,7 +135,8 @@ TEST(WholeRun, MidEpochSaveToAFileRestoresIntoFreshObjectsBitForBit) {
     ASSERT_EQ(resumed.losses.size(), reference.losses.size() - stop);
     for (std::size_t i = 0; i < resumed.losses.size(); ++i) {
       float a = reference.losses[stop + i], b = resumed.losses[i];
-      ASSERT_EQ(std::memcmp(&a, &b, sizeof a), 0) << "step " << stop + i << ": " << a << " vs " << b;
+      ASSERT_EQ(std::memcmp(&a, &b, sizeof a), 0)
+          << "step " << stop + i << ": " << a << " vs " << b;
     }
     EXPECT_TRUE(testing::bitwise_equal(cpu_rng_state(), reference_rng)) << "RNG state differs";
     StateDict end = resumed.state_dict();
@@ -155,8 +156,9 @@ TEST(WholeRun, EveryComponentIsPresentInTheSavedState) {
   Job job(1);
   job.train(5);
   StateDict sd = job.state_dict();
-  EXPECT_EQ(sd.top_level_names(), (std::vector<std::string>{"model", "optimizer", "scheduler",
-                                                            "scaler", "sampler", "counters", "rng"}));
+  EXPECT_EQ(sd.top_level_names(),
+            (std::vector<std::string>{"model", "optimizer", "scheduler", "scaler", "sampler",
+                                      "counters", "rng"}));
   // A component expected but absent is an error, never silently skipped.
   StateDict partial;
   partial.set_child("model", sd.child("model"));

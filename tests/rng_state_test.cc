@@ -22,9 +22,8 @@ namespace torchpoint {
 namespace {
 
 using testing::bitwise_equal;
-using testing::TempDir;
 using testing::expect_error;
-
+using testing::TempDir;
 
 // Everything a training step typically draws from the default CPU generator.
 std::vector<torch::Tensor> default_draws() {

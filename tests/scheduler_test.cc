@@ -1,8 +1,7 @@
 // LR schedulers: the learning rates equal PyTorch's own schedulers' bit for bit (the reference
 // comes from running them through /usr/bin/python3), a run saved and restored at any step
 // continues exactly, and bad states are refused with a clear error.
-#include "torchpoint/lr_scheduler.h"
-
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <torch/torch.h>
@@ -20,10 +19,9 @@
 #include <string>
 #include <vector>
 
-#include <fmt/format.h>
-
 #include "testing/test_util.h"
 #include "torchpoint/error.h"
+#include "torchpoint/lr_scheduler.h"
 #include "torchpoint/state_dict.h"
 #include "torchpoint/tensor_file.h"
 

@@ -116,7 +116,8 @@ struct IndexDataset : torch::data::datasets::Dataset<IndexDataset> {
 
 std::vector<std::int64_t> indices_of(const torch::data::Example<>& batch) {
   auto t = batch.data.to(torch::kLong).flatten();
-  return std::vector<std::int64_t>(t.data_ptr<std::int64_t>(), t.data_ptr<std::int64_t>() + t.numel());
+  return std::vector<std::int64_t>(t.data_ptr<std::int64_t>(),
+                                   t.data_ptr<std::int64_t>() + t.numel());
 }
 
 template <typename Loader>
@@ -340,7 +341,11 @@ TEST(StatefulSet, RestoreLastComponentsGoLast) {
   struct Probe {
     std::string name;
     std::vector<std::string>* order;
-    StateDict state_dict() const { StateDict s; s.set("x", 1); return s; }
+    StateDict state_dict() const {
+      StateDict s;
+      s.set("x", 1);
+      return s;
+    }
     void load_state_dict(const StateDict&) { order->push_back(name); }
   };
   StatefulSet set;

@@ -21,15 +21,16 @@ namespace torchpoint {
 namespace {
 
 using testing::bitwise_equal;
+using testing::expect_error;
 using testing::make_tensor;
 using testing::TempDir;
-using testing::expect_error;
 
-const std::vector<c10::ScalarType> kAllDtypes = {
-    at::kBool, at::kByte, at::kChar, at::kShort, at::kInt,
-    at::kLong, at::kHalf, at::kBFloat16, at::kFloat, at::kDouble};
+const std::vector<c10::ScalarType> kAllDtypes = {at::kBool,  at::kByte,  at::kChar, at::kShort,
+                                                 at::kInt,   at::kLong,  at::kHalf, at::kBFloat16,
+                                                 at::kFloat, at::kDouble};
 
-const std::vector<std::vector<std::int64_t>> kShapes = {{}, {0}, {0, 3}, {1}, {7}, {3, 5}, {2, 3, 4}};
+const std::vector<std::vector<std::int64_t>> kShapes = {{},  {0},    {0, 3},   {1},
+                                                        {7}, {3, 5}, {2, 3, 4}};
 
 void expect_same(const Container& a, const Container& b) {
   ASSERT_EQ(a.tensors.size(), b.tensors.size());
@@ -102,7 +103,8 @@ TEST(Container, LargeTensorsRoundTripThroughTheDirectIoPipeline) {
   save_file(dir / "big.safetensors", c);
   expect_same(c, load_file(dir / "big.safetensors"));
   std::uint64_t data = 3 * 2 + 5 * 1024 * 1024 * 4 + 12345 * 8;
-  EXPECT_EQ(testing::file_size(dir / "big.safetensors"), data_start_of(dir / "big.safetensors") + data)
+  EXPECT_EQ(testing::file_size(dir / "big.safetensors"),
+            data_start_of(dir / "big.safetensors") + data)
       << "the O_DIRECT padding must be cut off";
 }
 
@@ -167,10 +169,10 @@ TEST(Container, PythonReaderThatKnowsOnlyTheSpecAcceptsOurFiles) {
   std::ofstream(dir / "expect.json") << expect.dump();
   const char* src = std::getenv("TORCHPOINT_SOURCE_DIR");
   ASSERT_NE(src, nullptr) << "TORCHPOINT_SOURCE_DIR is set by CTest";
-  std::string cmd = fmt::format(
-      "/usr/bin/python3 {}/tests/python/check_safetensors.py --expect-json {} {} {} {}", src,
-      dir / "expect.json", dir / "py.safetensors", dir / "mixed.safetensors",
-      dir / "big.safetensors");
+  std::string cmd =
+      fmt::format("/usr/bin/python3 {}/tests/python/check_safetensors.py --expect-json {} {} {} {}",
+                  src, dir / "expect.json", dir / "py.safetensors", dir / "mixed.safetensors",
+                  dir / "big.safetensors");
   int rc = std::system(cmd.c_str());
   ASSERT_TRUE(WIFEXITED(rc));
   EXPECT_EQ(WEXITSTATUS(rc), 0) << cmd;
@@ -234,8 +236,16 @@ TEST(Container, TruncationAtEveryLengthClassIsDetected) {
   save_file(path, mixed_container());
   std::string pristine = testing::read_bytes(path);
   std::uint64_t start = data_start_of(path);
-  std::vector<std::uint64_t> lengths = {0, 7, 8, 9, start / 2, start - 1, start, start + 1,
-                                        (start + pristine.size()) / 2, pristine.size() - 1};
+  std::vector<std::uint64_t> lengths = {0,
+                                        7,
+                                        8,
+                                        9,
+                                        start / 2,
+                                        start - 1,
+                                        start,
+                                        start + 1,
+                                        (start + pristine.size()) / 2,
+                                        pristine.size() - 1};
   for (std::uint64_t len : lengths) {
     testing::write_bytes(path, pristine.substr(0, len));
     Error e = expect_error([&] { load_file(path); }, ErrorCode::Corruption);
@@ -252,7 +262,7 @@ TEST(Container, VerifyReportsEveryCorruptTensorNotOnlyTheFirst) {
                     {"c", make_tensor(at::kFloat, {100}, 3)}}});
   EXPECT_TRUE(verify(path).ok());
   std::uint64_t start = data_start_of(path);
-  testing::flip_bit(path, start + 10, 3);         // in a
+  testing::flip_bit(path, start + 10, 3);           // in a
   testing::flip_bit(path, start + 2 * 400 + 5, 0);  // in c
   VerifyReport report = verify(path);
   ASSERT_EQ(report.problems.size(), 2u);
@@ -304,7 +314,9 @@ TEST(BadInput, FutureMajorVersionIsIncompatibleAndNamesBothVersions) {
 TEST(BadInput, UnsupportedDtypesAreRefusedOnSaveAndLoad) {
   TempDir dir;
   Error e = expect_error(
-      [&] { save_file(dir / "c.safetensors", {{{"z", at::zeros({2}, at::kComplexFloat)}}}); },
+      [&] {
+        save_file(dir / "c.safetensors", {{{"z", at::zeros({2}, at::kComplexFloat)}}});
+      },
       ErrorCode::Unsupported);
   EXPECT_NE(std::string(e.what()).find("'z'"), std::string::npos) << e.what();
   EXPECT_FALSE(Env::posix().stat(dir / "c.safetensors").exists);
@@ -322,20 +334,31 @@ TEST(BadInput, UnsupportedDtypesAreRefusedOnSaveAndLoad) {
 
 TEST(BadInput, BadTensorNamesAreInvalidArguments) {
   TempDir dir;
-  expect_error([&] { save_file(dir / "a", {{{"x", at::ones({1})}, {"x", at::ones({1})}}}); },
-               ErrorCode::InvalidArgument);
+  expect_error(
+      [&] {
+        save_file(dir / "a", {{{"x", at::ones({1})}, {"x", at::ones({1})}}});
+      },
+      ErrorCode::InvalidArgument);
   expect_error([&] { save_file(dir / "a", {{{"", at::ones({1})}}}); }, ErrorCode::InvalidArgument);
-  expect_error([&] { save_file(dir / "a", {{{"__metadata__", at::ones({1})}}}); },
-               ErrorCode::InvalidArgument);
-  expect_error([&] { save_file(dir / "a", {{{"\xff\xfe", at::ones({1})}}}); },
-               ErrorCode::InvalidArgument);
+  expect_error(
+      [&] {
+        save_file(dir / "a", {{{"__metadata__", at::ones({1})}}});
+      },
+      ErrorCode::InvalidArgument);
+  expect_error(
+      [&] {
+        save_file(dir / "a", {{{"\xff\xfe", at::ones({1})}}});
+      },
+      ErrorCode::InvalidArgument);
   EXPECT_TRUE(testing::list_sorted(dir.path()).empty());
 }
 
 std::vector<Component> sample_components(int seed) {
   return {
-      {"model", {{{"fc.weight", make_tensor(at::kFloat, {4, 3}, seed)},
-                  {"fc.bias", make_tensor(at::kFloat, {4}, seed + 1)}}, {}}},
+      {"model",
+       {{{"fc.weight", make_tensor(at::kFloat, {4, 3}, seed)},
+         {"fc.bias", make_tensor(at::kFloat, {4}, seed + 1)}},
+        {}}},
       {"optimizer", {{{"state.0.step", at::tensor(int64_t{seed})}}, {{"lr", 0.01 * seed}}}},
       {"random_states_0", {{{"cpu", make_tensor(at::kByte, {5056}, seed + 2)}}, {}}},
   };
@@ -351,8 +374,8 @@ TEST(Directory, RoundTripsComponentsAndManifest) {
   info.metadata = {{"run", "exp1"}};
   save_directory(path, components, info);
   EXPECT_EQ(testing::list_sorted(path),
-            (std::vector<std::string>{"manifest.json", "model.safetensors",
-                                      "optimizer.safetensors", "random_states_0.safetensors"}));
+            (std::vector<std::string>{"manifest.json", "model.safetensors", "optimizer.safetensors",
+                                      "random_states_0.safetensors"}));
   EXPECT_EQ(testing::list_sorted(dir / "checkpoints"),
             (std::vector<std::string>{".lock", "checkpoint_0"}));
   DirectoryCheckpoint back = load_directory(path);
@@ -371,8 +394,8 @@ TEST(Directory, NeverWritesIntoACommittedCheckpoint) {
   TempDir dir;
   std::string path = dir / "checkpoint_1";
   save_directory(path, sample_components(1));
-  Error e = expect_error([&] { save_directory(path, sample_components(2)); },
-                         ErrorCode::InvalidArgument);
+  Error e =
+      expect_error([&] { save_directory(path, sample_components(2)); }, ErrorCode::InvalidArgument);
   EXPECT_NE(std::string(e.what()).find("never overwritten"), std::string::npos);
   expect_same(sample_components(1)[0].contents, load_directory(path).components[0].contents);
 }
@@ -410,7 +433,8 @@ TEST(Directory, ReplacedFileIsDetectedThroughTheManifest) {
   save_directory(dir / "b", sample_components(2));
   // A valid file of the same size from another checkpoint must not pass for the original.
   Env::posix().remove_file(dir / "a/model.safetensors");
-  testing::write_bytes(dir / "a/model.safetensors", testing::read_bytes(dir / "b/model.safetensors"));
+  testing::write_bytes(dir / "a/model.safetensors",
+                       testing::read_bytes(dir / "b/model.safetensors"));
   expect_error([&] { load_directory(dir / "a"); }, ErrorCode::Corruption);
   EXPECT_FALSE(verify(dir / "a").ok());
 }
@@ -418,8 +442,11 @@ TEST(Directory, ReplacedFileIsDetectedThroughTheManifest) {
 TEST(Directory, InvalidComponentNamesAreRefused) {
   TempDir dir;
   expect_error([&] { save_directory(dir / "c", {{"../evil", {}}}); }, ErrorCode::InvalidArgument);
-  expect_error([&] { save_directory(dir / "c", {{"m", {}}, {"m", {}}}); },
-               ErrorCode::InvalidArgument);
+  expect_error(
+      [&] {
+        save_directory(dir / "c", {{"m", {}}, {"m", {}}});
+      },
+      ErrorCode::InvalidArgument);
   EXPECT_FALSE(Env::posix().stat(dir / "c").exists);
 }
 
@@ -427,7 +454,8 @@ TEST(Commit, StaleTemporariesAreRemovedAndOthersKept) {
   TempDir dir;
   Env& env = Env::posix();
   env.mkdir(dir / "checkpoint_3.tmp-999999999-00ff00ff00ff00ff");
-  testing::write_bytes(dir / "checkpoint_3.tmp-999999999-00ff00ff00ff00ff/model.safetensors", "half");
+  testing::write_bytes(dir / "checkpoint_3.tmp-999999999-00ff00ff00ff00ff/model.safetensors",
+                       "half");
   testing::write_bytes(dir / "state.ckpt.tmp-999999998-abcdef0123456789", "half");
   testing::write_bytes(dir / "notes.tmp-txt", "mine");
   // A temporary that a live save of this process owns is kept; an abandoned one is not.
@@ -437,9 +465,9 @@ TEST(Commit, StaleTemporariesAreRemovedAndOthersKept) {
   testing::write_bytes(dir / temp_name("state.ckpt"), "abandoned by this process");
   env.mkdir(dir / "checkpoint_1");
   save_directory(dir / "checkpoint_4", sample_components(4));
-  EXPECT_EQ(testing::list_sorted(dir.path()),
-            (std::vector<std::string>{".lock", "checkpoint_1", "checkpoint_4", "notes.tmp-txt",
-                                      live}));
+  EXPECT_EQ(
+      testing::list_sorted(dir.path()),
+      (std::vector<std::string>{".lock", "checkpoint_1", "checkpoint_4", "notes.tmp-txt", live}));
 }
 
 TEST(Commit, SecondWriterInThisProcessIsLocked) {
@@ -530,8 +558,10 @@ TEST(Golden, Version1FilesLoadBitIdentically) {
   std::vector<std::string> names;
   for (const auto& [name, t] : m.tensors) names.push_back(name);
   EXPECT_EQ(names, (std::vector<std::string>{"weight", "step", "mask", "half", "bf16", "empty"}));
-  EXPECT_TRUE(testing::bitwise_equal(m.tensors[0].second, at::arange(6, at::kFloat).reshape({2, 3})));
-  EXPECT_TRUE(testing::bitwise_equal(m.tensors[1].second, at::scalar_tensor(int64_t{42}, at::kLong)));
+  EXPECT_TRUE(
+      testing::bitwise_equal(m.tensors[0].second, at::arange(6, at::kFloat).reshape({2, 3})));
+  EXPECT_TRUE(
+      testing::bitwise_equal(m.tensors[1].second, at::scalar_tensor(int64_t{42}, at::kLong)));
   EXPECT_TRUE(testing::bitwise_equal(m.tensors[2].second, at::tensor({1, 0, 1}).to(at::kBool)));
   EXPECT_TRUE(testing::bitwise_equal(m.tensors[3].second, at::tensor({0.5f, -1.5f}).to(at::kHalf)));
   EXPECT_TRUE(testing::bitwise_equal(m.tensors[4].second, at::tensor({3.0f}).to(at::kBFloat16)));
@@ -554,7 +584,8 @@ TEST(Golden, TodaysWriterStillProducesTheVersion1Bytes) {
   if (std::string(TORCHPOINT_TEST_VERSION) != "0.1.0") GTEST_SKIP() << "library version changed";
   TempDir dir;
   save_file(dir / "w.safetensors", {{{"w", at::tensor({1.0f, 2.0f})}}, {{"step", 7}}});
-  EXPECT_EQ(testing::read_bytes(dir / "w.safetensors"), testing::read_bytes(golden("w.safetensors")));
+  EXPECT_EQ(testing::read_bytes(dir / "w.safetensors"),
+            testing::read_bytes(golden("w.safetensors")));
 }
 
 }  // namespace

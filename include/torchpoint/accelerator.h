@@ -42,9 +42,9 @@ struct ProjectConfiguration {
 
 // What load_state() restored.
 struct LoadStateReport {
-  std::string path;                      // the checkpoint loaded
-  std::vector<std::string> components;   // file names restored, RNG last
-  std::vector<std::string> skipped;      // newer checkpoints passed over as invalid, with why
+  std::string path;                     // the checkpoint loaded
+  std::vector<std::string> components;  // file names restored, RNG last
+  std::vector<std::string> skipped;     // newer checkpoints passed over as invalid, with why
   std::int64_t step = 0;
 };
 
@@ -57,7 +57,8 @@ class Accelerator {
   //                                   .total_limit(3));
   explicit Accelerator(ProjectConfiguration config = {}, Env& env = Env::posix());
   // Accelerator(project_dir="...") as in Accelerate.
-  explicit Accelerator(const std::string& project_dir) : Accelerator(ProjectConfiguration().project_dir(project_dir)) {}
+  explicit Accelerator(const std::string& project_dir)
+      : Accelerator(ProjectConfiguration().project_dir(project_dir)) {}
 
   // The device to train on: the first CUDA device when there is one, else the CPU.
   torch::Device device() const;
@@ -151,20 +152,18 @@ class Accelerator {
     return module;
   }
   template <typename O>
-    requires std::is_base_of_v<torch::optim::Optimizer, O>
-  O& prepare_one(O& optimizer) {
+  requires std::is_base_of_v<torch::optim::Optimizer, O> O& prepare_one(O& optimizer) {
     add_component("optimizer", AnyStateful::value(OptimizerAdapter{&optimizer, nullptr}));
     return optimizer;
   }
   template <typename O>
-    requires std::is_base_of_v<torch::optim::Optimizer, O>
-  std::shared_ptr<O> prepare_one(std::shared_ptr<O> optimizer) {
+  requires std::is_base_of_v<torch::optim::Optimizer, O> std::shared_ptr<O> prepare_one(
+      std::shared_ptr<O> optimizer) {
     add_component("optimizer", AnyStateful::value(OptimizerAdapter{optimizer.get(), optimizer}));
     return optimizer;
   }
   template <typename S>
-    requires std::is_base_of_v<LRScheduler, S>
-  S& prepare_one(S& scheduler) {
+  requires std::is_base_of_v<LRScheduler, S> S& prepare_one(S& scheduler) {
     add_component("scheduler", AnyStateful::ref(static_cast<LRScheduler&>(scheduler)));
     return scheduler;
   }
@@ -172,7 +171,8 @@ class Accelerator {
   template <typename Dataset>
   std::shared_ptr<ResumableDataLoader<Dataset>> prepare_one(
       std::shared_ptr<ResumableDataLoader<Dataset>> loader) {
-    add_component("sampler", AnyStateful(std::shared_ptr<ResumableSampler>(loader, &loader->sampler())));
+    add_component("sampler",
+                  AnyStateful(std::shared_ptr<ResumableSampler>(loader, &loader->sampler())));
     return loader;
   }
   ResumableSampler& prepare_one(ResumableSampler& sampler) {

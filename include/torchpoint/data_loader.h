@@ -42,12 +42,12 @@ class ResumableDataLoader {
   }
   // The next iteration starts `batches` batches into the current epoch, without reading the
   // skipped samples; the one after it is a whole epoch again.
-  void skip_first_batches(std::size_t batches) { sampler_.skip_first_batches(batches, batch_size()); }
+  void skip_first_batches(std::size_t batches) {
+    sampler_.skip_first_batches(batches, batch_size());
+  }
 
  private:
-  typename ResumableSampler::template Tracked<Loader> tracked() {
-    return sampler_.track(*loader_);
-  }
+  typename ResumableSampler::template Tracked<Loader> tracked() { return sampler_.track(*loader_); }
 
   ResumableSampler sampler_;  // shares its position with the loader's copy
   std::unique_ptr<Loader> loader_;

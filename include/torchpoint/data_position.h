@@ -43,7 +43,8 @@ struct SamplerCursor {
 // Example:
 //   torchpoint::ResumableSampler sampler(dataset.size().value(), /*shuffle=*/true, /*seed=*/7);
 //   auto loader = torch::data::make_data_loader(dataset.map(Stack<>()), sampler, 32);
-//   for (auto& batch : sampler.track(*loader)) { ...; if (time_to_save) save(sampler.state_dict()); }
+//   for (auto& batch : sampler.track(*loader)) { ...; if (time_to_save) save(sampler.state_dict());
+//   }
 class ResumableSampler : public torch::data::samplers::Sampler<> {
  public:
   ResumableSampler(std::size_t size, bool shuffle = true, std::uint64_t seed = 0);

@@ -359,8 +359,9 @@ struct ReduceLROnPlateauOptions {
 // cooldown_counter. Throws InvalidArgument when factor >= 1 or min_lr has a wrong length.
 //
 // Example:
-//   torchpoint::ReduceLROnPlateau scheduler(sgd, torchpoint::ReduceLROnPlateauOptions().cooldown(2));
-//   for (int epoch = 0; epoch < 100; ++epoch) { train(sgd); scheduler.step(validate()); }
+//   torchpoint::ReduceLROnPlateau scheduler(sgd,
+//   torchpoint::ReduceLROnPlateauOptions().cooldown(2)); for (int epoch = 0; epoch < 100; ++epoch)
+//   { train(sgd); scheduler.step(validate()); }
 class ReduceLROnPlateau final : public LRScheduler {
  public:
   explicit ReduceLROnPlateau(torch::optim::Optimizer& optimizer,

@@ -16,7 +16,8 @@ struct LoadReport {
   std::vector<std::string> loaded;
   std::vector<std::string> missing;     // in the module, not in the state
   std::vector<std::string> unexpected;  // in the state, not in the module
-  std::vector<std::string> mismatched;  // "size mismatch for fc.weight: checkpoint [1, 10], model [2, 10]"
+  std::vector<std::string>
+      mismatched;  // "size mismatch for fc.weight: checkpoint [1, 10], model [2, 10]"
   bool complete() const { return missing.empty() && unexpected.empty() && mismatched.empty(); }
   // One line per problem, or "all N keys loaded".
   std::string summary() const;

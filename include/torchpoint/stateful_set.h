@@ -13,9 +13,9 @@ namespace torchpoint {
 
 // What restore() did.
 struct RestoreReport {
-  std::vector<std::string> restored;          // in the order they were restored
-  std::vector<std::string> skipped_missing;   // registered, absent, opted out
-  std::vector<std::string> skipped_unknown;   // present, not registered, opted out
+  std::vector<std::string> restored;         // in the order they were restored
+  std::vector<std::string> skipped_missing;  // registered, absent, opted out
+  std::vector<std::string> skipped_unknown;  // present, not registered, opted out
 };
 
 // Example:

@@ -8,7 +8,6 @@
 #include <ATen/core/Tensor.h>
 
 #include <nlohmann/json.hpp>
-
 #include <string>
 #include <utility>
 #include <vector>

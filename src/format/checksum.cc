@@ -1,8 +1,7 @@
 #include "format/checksum.h"
 
-#include <xxh_x86dispatch.h>
-
 #include <fmt/format.h>
+#include <xxh_x86dispatch.h>
 
 namespace torchpoint {
 

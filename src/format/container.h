@@ -3,15 +3,14 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 #include "format/dtype.h"
-#include "torchpoint/error.h"
 #include "torchpoint/env.h"
+#include "torchpoint/error.h"
 #include "torchpoint/tensor_file.h"
 
 namespace torchpoint {
@@ -36,9 +35,9 @@ struct TensorEntry {
 };
 
 struct ContainerHeader {
-  std::uint64_t data_start = 0;          // 8 + header length
-  std::vector<TensorEntry> entries;      // in data order
-  std::vector<std::size_t> caller_order; // indexes into entries, in the writer's order
+  std::uint64_t data_start = 0;           // 8 + header length
+  std::vector<TensorEntry> entries;       // in data order
+  std::vector<std::size_t> caller_order;  // indexes into entries, in the writer's order
   Json state = Json::object();
   std::uint64_t header_checksum = 0;
   int version_major = 0;

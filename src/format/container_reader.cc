@@ -2,6 +2,7 @@
 // before it is used, and no allocation is sized by a number that was not checked first.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <cstring>
@@ -9,8 +10,6 @@
 #include <numeric>
 #include <unordered_map>
 #include <unordered_set>
-
-#include <fmt/format.h>
 
 #include "format/checksum.h"
 #include "format/container.h"
@@ -106,9 +105,10 @@ void parse_torchpoint_metadata(const nlohmann::json& metadata, const std::string
                                Problems& problems, ContainerHeader* header) {
   auto it = metadata.find(std::string(kTorchpointKey));
   if (it == metadata.end() || !it->is_string()) {
-    problems.add(fmt::format("{}: no torchpoint metadata in the header: not a torchpoint file "
-                             "(a plain safetensors file has no checksums to verify)",
-                             path));
+    problems.add(
+        fmt::format("{}: no torchpoint metadata in the header: not a torchpoint file "
+                    "(a plain safetensors file has no checksums to verify)",
+                    path));
     return;
   }
   ojson meta;
@@ -190,18 +190,19 @@ ContainerHeader parse_container_header(std::string_view prefix, std::uint64_t fi
                                        bool allow_foreign) {
   ContainerHeader header;
   if (file_size < 8 || prefix.size() < 8) {
-    problems.add(fmt::format("{} is {} bytes long, too short for a container header (8 bytes "
-                             "at least): the file is truncated or not a checkpoint file",
-                             path, file_size));
+    problems.add(
+        fmt::format("{} is {} bytes long, too short for a container header (8 bytes "
+                    "at least): the file is truncated or not a checkpoint file",
+                    path, file_size));
     return header;
   }
   std::uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<std::uint8_t>(prefix[i]);
   if (n > kMaxHeaderSize || n > file_size - 8) {
-    problems.add(fmt::format("{}: header length {} exceeds {} (file size {}): the file is "
-                             "truncated or not a container",
-                             path, n, std::min<std::uint64_t>(kMaxHeaderSize, file_size - 8),
-                             file_size));
+    problems.add(
+        fmt::format("{}: header length {} exceeds {} (file size {}): the file is "
+                    "truncated or not a container",
+                    path, n, std::min<std::uint64_t>(kMaxHeaderSize, file_size - 8), file_size));
     return header;
   }
   if (prefix.size() < 8 + n) {
@@ -216,15 +217,16 @@ ContainerHeader parse_container_header(std::string_view prefix, std::uint64_t fi
   std::string key = fmt::format("\"{}\":\"", kHeaderChecksumKey);
   std::size_t tail = key.size() + kChecksumHexLength + 3;  // digits, then "}}
   bool header_ok = true;
-  bool has_tail = !(last == std::string_view::npos || last + 1 < tail ||
-                    text.substr(last + 1 - tail, key.size()) != key ||
-                    text.substr(last - 2, 3) != "\"}}");
+  bool has_tail =
+      !(last == std::string_view::npos || last + 1 < tail ||
+        text.substr(last + 1 - tail, key.size()) != key || text.substr(last - 2, 3) != "\"}}");
   if (!has_tail && allow_foreign) {
     header.foreign = true;  // another writer's file: structure only, no checksums
   } else if (!has_tail) {
-    problems.add(fmt::format("{}: the header does not end with its checksum: not a torchpoint "
-                             "file, or its header is damaged",
-                             path));
+    problems.add(
+        fmt::format("{}: the header does not end with its checksum: not a torchpoint "
+                    "file, or its header is damaged",
+                    path));
     header_ok = false;
   } else {
     std::size_t digits_at = last + 1 - tail + key.size();
@@ -233,10 +235,10 @@ ContainerHeader parse_container_header(std::string_view prefix, std::uint64_t fi
     std::memset(copy.data() + 8 + digits_at, '0', kChecksumHexLength);
     std::uint64_t actual = xxh3(copy.data(), copy.size());
     if (!claimed || *claimed != actual) {
-      problems.add(fmt::format("{}: header checksum mismatch (stored {}, computed {}): the "
-                               "header is corrupt",
-                               path, text.substr(digits_at, kChecksumHexLength),
-                               checksum_hex(actual)));
+      problems.add(
+          fmt::format("{}: header checksum mismatch (stored {}, computed {}): the "
+                      "header is corrupt",
+                      path, text.substr(digits_at, kChecksumHexLength), checksum_hex(actual)));
       header_ok = false;
     } else {
       header.header_checksum = actual;
@@ -268,7 +270,8 @@ ContainerHeader parse_container_header(std::string_view prefix, std::uint64_t fi
       continue;
     }
     TensorEntry entry;
-    if (parse_entry(name, value, path, problems, &entry)) header.entries.push_back(std::move(entry));
+    if (parse_entry(name, value, path, problems, &entry))
+      header.entries.push_back(std::move(entry));
   }
 
   // The data must tile [0, data size) exactly: no holes, no overlap, nothing after it.
@@ -284,18 +287,19 @@ ContainerHeader parse_container_header(std::string_view prefix, std::uint64_t fi
   for (std::size_t i : by_offset) {
     const TensorEntry& e = header.entries[i];
     if (e.begin != expected) {
-      problems.add(fmt::format("{}: tensor '{}' starts at data offset {} but the previous "
-                               "tensor ends at {} ({})",
-                               path, e.name, e.begin, expected,
-                               e.begin > expected ? "a hole" : "an overlap"));
+      problems.add(fmt::format(
+          "{}: tensor '{}' starts at data offset {} but the previous "
+          "tensor ends at {} ({})",
+          path, e.name, e.begin, expected, e.begin > expected ? "a hole" : "an overlap"));
     }
     expected = std::max(expected, e.end);
   }
   if (expected != data_size) {
-    problems.add(fmt::format("{}: the tensors cover {} data bytes but the file holds {}: the "
-                             "file is {}",
-                             path, expected, data_size,
-                             expected > data_size ? "truncated" : "longer than its header says"));
+    problems.add(
+        fmt::format("{}: the tensors cover {} data bytes but the file holds {}: the "
+                    "file is {}",
+                    path, expected, data_size,
+                    expected > data_size ? "truncated" : "longer than its header says"));
   }
   std::vector<TensorEntry> ordered;
   ordered.reserve(by_offset.size());
@@ -340,16 +344,19 @@ void check_data(const ContainerHeader& header, const MappedRegion& region, const
   for (const TensorEntry& e : header.entries) {
     std::uint64_t actual = xxh3(data + e.begin, e.end - e.begin);
     if (actual != e.checksum) {
-      problems.add(fmt::format("{}: tensor '{}' fails its checksum (stored {}, computed {}): its "
-                               "data is corrupt",
-                               path, e.name, checksum_hex(e.checksum), checksum_hex(actual)));
+      problems.add(
+          fmt::format("{}: tensor '{}' fails its checksum (stored {}, computed {}): its "
+                      "data is corrupt",
+                      path, e.name, checksum_hex(e.checksum), checksum_hex(actual)));
     }
   }
 }
 
 }  // namespace
 
-Container load_file(const std::string& path, Env& env) { return load_container(env, path, nullptr); }
+Container load_file(const std::string& path, Env& env) {
+  return load_container(env, path, nullptr);
+}
 
 Container load_container(Env& env, const std::string& path, std::uint64_t* header_checksum,
                          bool allow_foreign, bool* verified) {
@@ -361,7 +368,8 @@ Container load_container(Env& env, const std::string& path, std::uint64_t* heade
   std::shared_ptr<MappedRegion> region = file->map();
   // The mapping is of the file as it is now; a size change since the header was read means a
   // concurrent writer, which the commit protocol rules out for committed files.
-  if (region->size() != header.data_start + (header.entries.empty() ? 0 : header.entries.back().end)) {
+  if (region->size() !=
+      header.data_start + (header.entries.empty() ? 0 : header.entries.back().end)) {
     throw Error(ErrorCode::Corruption, fmt::format("{} changed size while being read", path));
   }
   if (!header.foreign) check_data(header, *region, path, throwing);
@@ -376,7 +384,8 @@ Container load_container(Env& env, const std::string& path, std::uint64_t* heade
     at::Tensor t;
     if (reinterpret_cast<std::uintptr_t>(ptr) % e.dtype.size == 0) {
       // Zero copy: the tensor keeps the mapping alive.
-      t = at::from_blob(ptr, e.shape, [region](void*) {}, options);
+      t = at::from_blob(
+          ptr, e.shape, [region](void*) {}, options);
     } else {
       t = at::empty(e.shape, options);
       std::memcpy(t.data_ptr(), ptr, e.end - e.begin);

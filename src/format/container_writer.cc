@@ -4,6 +4,7 @@
 // only at the end, has a fixed length and is written last at offset 0.
 #include <ATen/ops/empty.h>
 #include <c10/core/DeviceType.h>
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <condition_variable>
@@ -14,8 +15,6 @@
 #include <mutex>
 #include <thread>
 #include <unordered_set>
-
-#include <fmt/format.h>
 
 #include "format/checksum.h"
 #include "format/container.h"
@@ -28,11 +27,11 @@
 namespace torchpoint {
 namespace {
 
-constexpr std::size_t kChunkSize = 8u << 20;     // bytes per write call
-constexpr std::size_t kWriters = 2;              // writes in flight: the device overlaps them
+constexpr std::size_t kChunkSize = 8u << 20;       // bytes per write call
+constexpr std::size_t kWriters = 2;                // writes in flight: the device overlaps them
 constexpr std::size_t kChunkCount = kWriters + 2;  // one filling, one ready, the rest in flight
-constexpr std::size_t kHashPiece = 256u << 10;   // copy then hash this much while it is in cache
-constexpr std::size_t kDirectAlign = 4096;       // O_DIRECT offset, size and buffer alignment
+constexpr std::size_t kHashPiece = 256u << 10;     // copy then hash this much while it is in cache
+constexpr std::size_t kDirectAlign = 4096;         // O_DIRECT offset, size and buffer alignment
 constexpr std::uint64_t kDirectMinBytes = 1u << 20;
 
 std::uint64_t round_up(std::uint64_t value, std::uint64_t to) { return (value + to - 1) / to * to; }
@@ -43,7 +42,8 @@ struct AlignedFree {
 using AlignedBuffer = std::unique_ptr<std::uint8_t, AlignedFree>;
 
 AlignedBuffer allocate_aligned(std::size_t size) {
-  void* p = std::aligned_alloc(kDirectAlign, round_up(std::max<std::size_t>(size, 1), kDirectAlign));
+  void* p =
+      std::aligned_alloc(kDirectAlign, round_up(std::max<std::size_t>(size, 1), kDirectAlign));
   if (p == nullptr) throw std::bad_alloc();
   return AlignedBuffer(static_cast<std::uint8_t*>(p));
 }
@@ -85,9 +85,9 @@ std::vector<PlannedTensor> plan(const Container& contents) {
                   fmt::format("tensor name '{}' is reserved or empty; rename the tensor", name));
     }
     if (!seen.insert(name).second) {
-      throw Error(ErrorCode::InvalidArgument,
-                  fmt::format("tensor name '{}' appears twice; names in one file must be unique",
-                              name));
+      throw Error(
+          ErrorCode::InvalidArgument,
+          fmt::format("tensor name '{}' appears twice; names in one file must be unique", name));
     }
     if (!tensor.defined()) {
       throw Error(ErrorCode::InvalidArgument,
@@ -97,9 +97,8 @@ std::vector<PlannedTensor> plan(const Container& contents) {
     at::Tensor cpu = tensor.device().is_cpu() ? tensor : tensor.to(c10::kCPU);
     planned.push_back({&name, planned.size(), cpu.contiguous(), &dtype});
   }
-  std::stable_sort(planned.begin(), planned.end(), [](const auto& a, const auto& b) {
-    return a.dtype->size > b.dtype->size;
-  });
+  std::stable_sort(planned.begin(), planned.end(),
+                   [](const auto& a, const auto& b) { return a.dtype->size > b.dtype->size; });
   std::uint64_t offset = 0;
   for (PlannedTensor& p : planned) {
     p.begin = offset;

@@ -1,8 +1,8 @@
 // save_file, save_directory, load_directory and the directory half of verify.
+#include <fmt/format.h>
+
 #include <chrono>
 #include <unordered_set>
-
-#include <fmt/format.h>
 
 #include "format/container.h"
 #include "format/manifest.h"
@@ -50,8 +50,8 @@ std::string read_manifest_bytes(Env& env, const std::string& manifest_path, Prob
   std::unique_ptr<File> file = env.open(manifest_path, OpenMode::Read);
   std::uint64_t size = file->size();
   if (size > kMaxManifestSize) {
-    problems.add(fmt::format("{} is {} bytes, over the {} byte limit for a manifest",
-                             manifest_path, size, kMaxManifestSize));
+    problems.add(fmt::format("{} is {} bytes, over the {} byte limit for a manifest", manifest_path,
+                             size, kMaxManifestSize));
     return {};
   }
   std::string bytes(size, '\0');
@@ -92,7 +92,8 @@ void save_directory(const std::string& path, const std::vector<Component>& compo
   manifest.info = info;
   for (const Component& c : components) {
     std::string file_name = component_file_name(c.name);
-    WrittenFile written = write_container(env, join_path(pending.temp_path(), file_name), c.contents);
+    WrittenFile written =
+        write_container(env, join_path(pending.temp_path(), file_name), c.contents);
     manifest.files.push_back({file_name, c.name, written.size, written.header_checksum});
   }
   // The manifest goes last: a directory holding one lists only files already synced.
@@ -112,9 +113,9 @@ static Manifest load_manifest(Env& env, const std::string& path, Problems& probl
     throw Error(ErrorCode::NotFound, fmt::format("checkpoint directory {} does not exist", path));
   }
   if (!info.is_directory) {
-    throw Error(ErrorCode::InvalidArgument,
-                fmt::format("{} is a file, not a checkpoint directory; load it with load_file",
-                            path));
+    throw Error(
+        ErrorCode::InvalidArgument,
+        fmt::format("{} is a file, not a checkpoint directory; load it with load_file", path));
   }
   std::string manifest_path = join_path(path, kManifestFileName);
   if (!env.stat(manifest_path).exists) {
@@ -180,8 +181,8 @@ VerifyReport verify_directory(const std::string& path, Env& env) {
       continue;
     }
     if (info.size != f.size) {
-      report.problems.push_back(fmt::format("{}: {} bytes, the manifest says {}", file_path,
-                                            info.size, f.size));
+      report.problems.push_back(
+          fmt::format("{}: {} bytes, the manifest says {}", file_path, info.size, f.size));
     }
     VerifyReport file_report = verify(file_path, env);
     for (std::string& p : file_report.problems) report.problems.push_back(std::move(p));

@@ -1,8 +1,8 @@
 #include "format/dtype.h"
 
-#include <array>
-
 #include <fmt/format.h>
+
+#include <array>
 
 #include "torchpoint/error.h"
 
@@ -23,7 +23,7 @@ constexpr std::array<DtypeInfo, 10> kDtypes = {{
 }};
 
 constexpr std::array<std::string_view, 5> kKnownUnsupported = {"U16", "U32", "U64", "F8_E4M3",
-                                                                "F8_E5M2"};
+                                                               "F8_E5M2"};
 
 }  // namespace
 

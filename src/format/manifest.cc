@@ -1,10 +1,9 @@
 #include "format/manifest.h"
 
+#include <fmt/format.h>
 #include <torch/csrc/api/include/torch/version.h>
 
 #include <cstring>
-
-#include <fmt/format.h>
 
 #include "format/checksum.h"
 #include "io/filename.h"
@@ -51,9 +50,9 @@ std::string serialize_manifest(const Manifest& m) {
   try {
     text = body.dump(2);  // ends with "\n}"
   } catch (const nlohmann::json::exception& e) {
-    throw Error(ErrorCode::InvalidArgument,
-                fmt::format("the checkpoint metadata cannot be written: {}; use UTF-8 strings",
-                            e.what()));
+    throw Error(
+        ErrorCode::InvalidArgument,
+        fmt::format("the checkpoint metadata cannot be written: {}; use UTF-8 strings", e.what()));
   }
   text.resize(text.size() - 2);
   text += tail_prefix();
@@ -71,9 +70,10 @@ Manifest parse_manifest(std::string_view bytes, const std::string& path, Problem
   std::size_t tail = prefix.size() + kChecksumHexLength + kTailSuffix.size();
   if (bytes.size() < tail || bytes.substr(bytes.size() - tail, prefix.size()) != prefix ||
       bytes.substr(bytes.size() - kTailSuffix.size()) != kTailSuffix) {
-    problems.add(fmt::format("{}: the manifest does not end with its checksum: it is truncated "
-                             "or damaged",
-                             path));
+    problems.add(
+        fmt::format("{}: the manifest does not end with its checksum: it is truncated "
+                    "or damaged",
+                    path));
     return m;
   }
   std::size_t digits_at = bytes.size() - kTailSuffix.size() - kChecksumHexLength;
@@ -82,10 +82,10 @@ Manifest parse_manifest(std::string_view bytes, const std::string& path, Problem
   std::memset(copy.data() + digits_at, '0', kChecksumHexLength);
   std::uint64_t actual = xxh3(copy.data(), copy.size());
   if (!claimed || *claimed != actual) {
-    problems.add(fmt::format("{}: manifest checksum mismatch (stored {}, computed {}): the "
-                             "manifest is corrupt",
-                             path, bytes.substr(digits_at, kChecksumHexLength),
-                             checksum_hex(actual)));
+    problems.add(
+        fmt::format("{}: manifest checksum mismatch (stored {}, computed {}): the "
+                    "manifest is corrupt",
+                    path, bytes.substr(digits_at, kChecksumHexLength), checksum_hex(actual)));
     if (!problems.collecting()) return m;
   }
   ojson root;

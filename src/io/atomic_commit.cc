@@ -1,13 +1,12 @@
 #include "io/atomic_commit.h"
 
+#include <fmt/format.h>
 #include <signal.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <mutex>
 #include <set>
-
-#include <fmt/format.h>
 
 #include "io/filename.h"
 #include "torchpoint/error.h"

@@ -1,10 +1,11 @@
-#include <cerrno>
-#include <cstring>
+#include "torchpoint/env.h"
 
 #include <fmt/format.h>
 
+#include <cerrno>
+#include <cstring>
+
 #include "io/posix_error.h"
-#include "torchpoint/env.h"
 
 namespace torchpoint {
 
@@ -12,17 +13,37 @@ Error posix_error(const std::string& context, int err) {
   const char* hint = "";
   ErrorCode code = ErrorCode::IOError;
   switch (err) {
-    case ENOENT: code = ErrorCode::NotFound; hint = "check the path"; break;
-    case ENOSPC: hint = "the disk is full: free space or point the checkpoint elsewhere"; break;
-    case EDQUOT: hint = "the disk quota is exhausted: free space or raise the quota"; break;
-    case EFBIG: hint = "the file is too large for this file system or for RLIMIT_FSIZE"; break;
-    case EXDEV: hint = "temporary and final paths must be on the same file system"; break;
+    case ENOENT:
+      code = ErrorCode::NotFound;
+      hint = "check the path";
+      break;
+    case ENOSPC:
+      hint = "the disk is full: free space or point the checkpoint elsewhere";
+      break;
+    case EDQUOT:
+      hint = "the disk quota is exhausted: free space or raise the quota";
+      break;
+    case EFBIG:
+      hint = "the file is too large for this file system or for RLIMIT_FSIZE";
+      break;
+    case EXDEV:
+      hint = "temporary and final paths must be on the same file system";
+      break;
     case EACCES:
-    case EPERM: hint = "check the permissions of the directory"; break;
-    case EIO: hint = "the device reported an error: the data written may be lost"; break;
-    case EEXIST: hint = "the target already exists and is never overwritten"; break;
-    case EROFS: hint = "the file system is read-only"; break;
-    default: break;
+    case EPERM:
+      hint = "check the permissions of the directory";
+      break;
+    case EIO:
+      hint = "the device reported an error: the data written may be lost";
+      break;
+    case EEXIST:
+      hint = "the target already exists and is never overwritten";
+      break;
+    case EROFS:
+      hint = "the file system is read-only";
+      break;
+    default:
+      break;
   }
   std::string message = fmt::format("{} failed: {}", context, std::strerror(err));
   if (*hint != '\0') message += fmt::format(" ({})", hint);
@@ -35,8 +56,8 @@ void File::write_all(const void* data, std::size_t size, std::uint64_t offset) {
     std::size_t n = write_at(p, size, offset);
     if (n == 0) {
       throw Error(ErrorCode::IOError,
-                  fmt::format("write to {} at offset {} wrote nothing (is the disk full?)",
-                              path(), offset));
+                  fmt::format("write to {} at offset {} wrote nothing (is the disk full?)", path(),
+                              offset));
     }
     p += n;
     size -= n;

@@ -6,13 +6,20 @@ namespace torchpoint {
 
 const char* error_code_name(ErrorCode code) noexcept {
   switch (code) {
-    case ErrorCode::NotFound: return "NotFound";
-    case ErrorCode::Corruption: return "Corruption";
-    case ErrorCode::Incompatible: return "Incompatible";
-    case ErrorCode::IOError: return "IOError";
-    case ErrorCode::InvalidArgument: return "InvalidArgument";
-    case ErrorCode::Locked: return "Locked";
-    case ErrorCode::Unsupported: return "Unsupported";
+    case ErrorCode::NotFound:
+      return "NotFound";
+    case ErrorCode::Corruption:
+      return "Corruption";
+    case ErrorCode::Incompatible:
+      return "Incompatible";
+    case ErrorCode::IOError:
+      return "IOError";
+    case ErrorCode::InvalidArgument:
+      return "InvalidArgument";
+    case ErrorCode::Locked:
+      return "Locked";
+    case ErrorCode::Unsupported:
+      return "Unsupported";
   }
   return "Unknown";
 }

@@ -1,11 +1,10 @@
 #include "io/filename.h"
 
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <charconv>
 #include <random>
-
-#include <fmt/format.h>
 
 namespace torchpoint {
 namespace {

@@ -1,6 +1,7 @@
 // PosixEnv: Env over the Linux system calls.
 #include <dirent.h>
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -8,8 +9,6 @@
 
 #include <cerrno>
 #include <cstdio>
-
-#include <fmt/format.h>
 
 #include "io/posix_error.h"
 #include "torchpoint/env.h"
@@ -120,8 +119,12 @@ class PosixEnv final : public Env {
     int flags = O_CLOEXEC;
     bool direct = false;
     switch (mode) {
-      case OpenMode::Read: flags |= O_RDONLY; break;
-      case OpenMode::CreateExclusive: flags |= O_WRONLY | O_CREAT | O_EXCL; break;
+      case OpenMode::Read:
+        flags |= O_RDONLY;
+        break;
+      case OpenMode::CreateExclusive:
+        flags |= O_WRONLY | O_CREAT | O_EXCL;
+        break;
       case OpenMode::CreateExclusiveDirect:
         flags |= O_WRONLY | O_CREAT | O_EXCL | O_DIRECT;
         direct = true;
@@ -133,9 +136,9 @@ class PosixEnv final : public Env {
     } while (fd < 0 && errno == EINTR);
     if (fd < 0) {
       if (direct && errno == EINVAL) {
-        throw Error(ErrorCode::Unsupported,
-                    fmt::format("O_DIRECT is not supported for {} (falls back to buffered I/O)",
-                                path));
+        throw Error(
+            ErrorCode::Unsupported,
+            fmt::format("O_DIRECT is not supported for {} (falls back to buffered I/O)", path));
       }
       throw posix_error(fmt::format("open of {}", path), errno);
     }
@@ -153,8 +156,7 @@ class PosixEnv final : public Env {
 
   void rename(const std::string& from, const std::string& to, bool replace) override {
     int rc = replace ? ::rename(from.c_str(), to.c_str())
-                     : ::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(),
-                                   RENAME_NOREPLACE);
+                     : ::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_NOREPLACE);
     if (rc != 0) throw posix_error(fmt::format("rename of {} to {}", from, to), errno);
   }
 

@@ -2,12 +2,11 @@
 
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/tensor.h>
+#include <fmt/format.h>
 #include <torch/serialize/archive.h>
 
 #include <numeric>
 #include <sstream>
-
-#include <fmt/format.h>
 
 #include "torchpoint/error.h"
 
@@ -202,9 +201,8 @@ template <typename Sampler>
 void into_archive(Sampler& sampler, const StateDict& state, const std::vector<std::string>& keys,
                   const std::string& type) {
   if (state.get<std::string>("type") != type) {
-    throw Error(ErrorCode::Incompatible,
-                fmt::format("{} holds a {}, not a {}", state.description(),
-                            state.get<std::string>("type"), type));
+    throw Error(ErrorCode::Incompatible, fmt::format("{} holds a {}, not a {}", state.description(),
+                                                     state.get<std::string>("type"), type));
   }
   torch::serialize::OutputArchive out;
   for (const std::string& key : keys) out.write(key, state.tensor(key), /*is_buffer=*/true);
@@ -221,7 +219,8 @@ void into_archive(Sampler& sampler, const StateDict& state, const std::vector<st
 StateDict sampler_state_dict(const torch::data::samplers::RandomSampler& sampler) {
   return through_archive(sampler, {"index", "indices"}, "RandomSampler");
 }
-void load_sampler_state_dict(torch::data::samplers::RandomSampler& sampler, const StateDict& state) {
+void load_sampler_state_dict(torch::data::samplers::RandomSampler& sampler,
+                             const StateDict& state) {
   into_archive(sampler, state, {"index", "indices"}, "RandomSampler");
 }
 StateDict sampler_state_dict(const torch::data::samplers::SequentialSampler& sampler) {
@@ -295,7 +294,8 @@ void MetricRecords::load_state_dict(const StateDict& state) {
   std::vector<Series> loaded;
   const Json& index = state.value("index");
   if (!index.is_array()) {
-    throw Error(ErrorCode::Corruption, fmt::format("{}: 'index' is not a list", state.description()));
+    throw Error(ErrorCode::Corruption,
+                fmt::format("{}: 'index' is not a list", state.description()));
   }
   for (std::size_t i = 0; i < index.size(); ++i) {
     const Json& entry = index[i];

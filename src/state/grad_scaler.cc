@@ -2,12 +2,11 @@
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/full.h>
+#include <fmt/format.h>
 
 #include <cmath>
 #include <limits>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "torchpoint/error.h"
 

@@ -1,8 +1,7 @@
 #include "torchpoint/interop.h"
 
-#include <torch/csrc/jit/serialization/pickle.h>
-
 #include <fmt/format.h>
+#include <torch/csrc/jit/serialization/pickle.h>
 
 #include "format/container.h"
 #include "torchpoint/error.h"

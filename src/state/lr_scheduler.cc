@@ -1,6 +1,7 @@
 #include "torchpoint/lr_scheduler.h"
 
 #include <ATen/ops/empty.h>
+#include <fmt/format.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/rmsprop.h>
@@ -11,8 +12,6 @@
 #include <limits>
 #include <numbers>
 #include <tuple>
-
-#include <fmt/format.h>
 
 #include "torchpoint/error.h"
 

@@ -1,17 +1,18 @@
 #include "torchpoint/module_state.h"
 
+#include <fmt/format.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <unordered_set>
-
-#include <fmt/format.h>
 
 #include "torchpoint/error.h"
 
 namespace torchpoint {
 namespace {
 
-std::string shape_text(c10::IntArrayRef sizes) { return fmt::format("[{}]", fmt::join(sizes, ", ")); }
+std::string shape_text(c10::IntArrayRef sizes) {
+  return fmt::format("[{}]", fmt::join(sizes, ", "));
+}
 
 }  // namespace
 
@@ -43,7 +44,8 @@ LoadReport load_module_state_dict(torch::nn::Module& module, const StateDict& st
     at::Tensor tensor;
   };
   std::vector<Target> targets;
-  for (const auto& item : module.named_parameters(true)) targets.push_back({item.key(), item.value()});
+  for (const auto& item : module.named_parameters(true))
+    targets.push_back({item.key(), item.value()});
   for (const auto& item : module.named_buffers(true)) targets.push_back({item.key(), item.value()});
 
   LoadReport report;

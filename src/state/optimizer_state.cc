@@ -3,6 +3,7 @@
 // parameter in its group is what identifies it across a save and a load.
 #include "torchpoint/optimizer_state.h"
 
+#include <fmt/format.h>
 #include <torch/optim/adagrad.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
@@ -11,8 +12,6 @@
 #include <torch/optim/sgd.h>
 
 #include <functional>
-
-#include <fmt/format.h>
 
 #include "torchpoint/error.h"
 
@@ -92,10 +91,11 @@ Codec sgd_codec() {
         return o;
       },
       [](const optim::OptimizerParamState& st, const std::string& p, StateDict& sd) {
-        save_optional(sd, p + "momentum_buffer", as_state<optim::SGDParamState>(st).momentum_buffer());
+        save_optional(sd, p + "momentum_buffer",
+                      as_state<optim::SGDParamState>(st).momentum_buffer());
       },
-      [](const StateDict& sd, const std::string& p, const at::Tensor& param)
-          -> std::unique_ptr<optim::OptimizerParamState> {
+      [](const StateDict& sd, const std::string& p,
+         const at::Tensor& param) -> std::unique_ptr<optim::OptimizerParamState> {
         auto s = std::make_unique<optim::SGDParamState>();
         s->momentum_buffer(load_optional(sd, p + "momentum_buffer", param));
         return s;
@@ -117,8 +117,8 @@ Codec adam_like_codec(const std::string& type) {
       [](const StateDict& sd, const std::string& p) -> std::unique_ptr<optim::OptimizerOptions> {
         auto betas = sd.get<std::vector<double>>(p + "betas");
         if (betas.size() != 2) {
-          throw Error(ErrorCode::Incompatible, fmt::format("{}: betas must hold two values",
-                                                           sd.description()));
+          throw Error(ErrorCode::Incompatible,
+                      fmt::format("{}: betas must hold two values", sd.description()));
         }
         auto o = std::make_unique<Options>(sd.get<double>(p + "lr"));
         o->betas(std::make_tuple(betas[0], betas[1]))
@@ -134,8 +134,8 @@ Codec adam_like_codec(const std::string& type) {
         save_optional(sd, p + "exp_avg_sq", s.exp_avg_sq());
         save_optional(sd, p + "max_exp_avg_sq", s.max_exp_avg_sq());
       },
-      [](const StateDict& sd, const std::string& p, const at::Tensor& param)
-          -> std::unique_ptr<optim::OptimizerParamState> {
+      [](const StateDict& sd, const std::string& p,
+         const at::Tensor& param) -> std::unique_ptr<optim::OptimizerParamState> {
         auto s = std::make_unique<State>();
         s->step(sd.get<std::int64_t>(p + "step"));
         s->exp_avg(load_optional(sd, p + "exp_avg", param));
@@ -173,8 +173,8 @@ Codec rmsprop_codec() {
         save_optional(sd, p + "momentum_buffer", s.momentum_buffer());
         save_optional(sd, p + "grad_avg", s.grad_avg());
       },
-      [](const StateDict& sd, const std::string& p, const at::Tensor& param)
-          -> std::unique_ptr<optim::OptimizerParamState> {
+      [](const StateDict& sd, const std::string& p,
+         const at::Tensor& param) -> std::unique_ptr<optim::OptimizerParamState> {
         auto s = std::make_unique<optim::RMSpropParamState>();
         s->step(sd.get<std::int64_t>(p + "step"));
         s->square_avg(load_optional(sd, p + "square_avg", param));
@@ -208,8 +208,8 @@ Codec adagrad_codec() {
         sd.set(p + "step", s.step());
         save_optional(sd, p + "sum", s.sum());
       },
-      [](const StateDict& sd, const std::string& p, const at::Tensor& param)
-          -> std::unique_ptr<optim::OptimizerParamState> {
+      [](const StateDict& sd, const std::string& p,
+         const at::Tensor& param) -> std::unique_ptr<optim::OptimizerParamState> {
         auto s = std::make_unique<optim::AdagradParamState>();
         s->step(sd.get<std::int64_t>(p + "step"));
         s->sum(load_optional(sd, p + "sum", param));
@@ -227,9 +227,11 @@ std::deque<at::Tensor> load_deque(const StateDict& sd, const std::string& key,
   std::deque<at::Tensor> d;
   auto n = sd.get<std::int64_t>(key + ".count");
   if (n < 0 || n > 1'000'000) {
-    throw Error(ErrorCode::Incompatible, fmt::format("{}: bad length of {}", sd.description(), key));
+    throw Error(ErrorCode::Incompatible,
+                fmt::format("{}: bad length of {}", sd.description(), key));
   }
-  for (std::int64_t i = 0; i < n; ++i) d.push_back(any_tensor(sd, fmt::format("{}.{}", key, i), param));
+  for (std::int64_t i = 0; i < n; ++i)
+    d.push_back(any_tensor(sd, fmt::format("{}.{}", key, i), param));
   return d;
 }
 
@@ -244,7 +246,8 @@ Codec lbfgs_codec() {
         sd.set(p + "tolerance_grad", s.tolerance_grad());
         sd.set(p + "tolerance_change", s.tolerance_change());
         sd.set(p + "history_size", s.history_size());
-        sd.set(p + "line_search_fn", s.line_search_fn() ? Json(*s.line_search_fn()) : Json(nullptr));
+        sd.set(p + "line_search_fn",
+               s.line_search_fn() ? Json(*s.line_search_fn()) : Json(nullptr));
       },
       [](const StateDict& sd, const std::string& p) -> std::unique_ptr<optim::OptimizerOptions> {
         auto o = std::make_unique<optim::LBFGSOptions>(sd.get<double>(p + "lr"));
@@ -274,8 +277,8 @@ Codec lbfgs_codec() {
           save_deque(sd, p + "al", std::deque<at::Tensor>(s.al()->begin(), s.al()->end()));
         }
       },
-      [](const StateDict& sd, const std::string& p, const at::Tensor& param)
-          -> std::unique_ptr<optim::OptimizerParamState> {
+      [](const StateDict& sd, const std::string& p,
+         const at::Tensor& param) -> std::unique_ptr<optim::OptimizerParamState> {
         // LBFGS keeps flat vectors over all parameters, under the first parameter's key.
         auto s = std::make_unique<optim::LBFGSParamState>();
         s->func_evals(sd.get<std::int64_t>(p + "func_evals"));

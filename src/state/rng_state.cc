@@ -4,11 +4,10 @@
 #include <ATen/Context.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/util/Exception.h>
+#include <fmt/format.h>
 
 #include <mutex>
 #include <unordered_set>
-
-#include <fmt/format.h>
 
 #include "torchpoint/error.h"
 

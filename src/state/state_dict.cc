@@ -1,10 +1,9 @@
 #include "torchpoint/state_dict.h"
 
 #include <ATen/ops/scalar_tensor.h>
+#include <fmt/format.h>
 
 #include <unordered_set>
-
-#include <fmt/format.h>
 
 #include "torchpoint/error.h"
 

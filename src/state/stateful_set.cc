@@ -1,8 +1,8 @@
 #include "torchpoint/stateful_set.h"
 
-#include <unordered_set>
-
 #include <fmt/format.h>
+
+#include <unordered_set>
 
 #include "torchpoint/error.h"
 
@@ -78,16 +78,20 @@ RestoreReport StatefulSet::restore(const StateDict& state) {
     }
   }
   if (!missing.empty() || !unknown.empty()) {
-    std::string message = "the checkpoint does not match the registered components; nothing was "
-                          "restored:";
+    std::string message =
+        "the checkpoint does not match the registered components; nothing was "
+        "restored:";
     if (!missing.empty()) {
-      message += fmt::format("\n  registered but not in the checkpoint: {}", fmt::join(missing, ", "));
+      message +=
+          fmt::format("\n  registered but not in the checkpoint: {}", fmt::join(missing, ", "));
     }
     if (!unknown.empty()) {
-      message += fmt::format("\n  in the checkpoint but not registered: {}", fmt::join(unknown, ", "));
+      message +=
+          fmt::format("\n  in the checkpoint but not registered: {}", fmt::join(unknown, ", "));
     }
-    message += "\n(register the same components as the run that saved it, or opt out with "
-               "allow_missing / allow_unknown)";
+    message +=
+        "\n(register the same components as the run that saved it, or opt out with "
+        "allow_missing / allow_unknown)";
     throw Error(ErrorCode::Incompatible, message);
   }
 

@@ -1,12 +1,11 @@
 #include "torchpoint/accelerator.h"
 
+#include <fmt/format.h>
 #include <torch/cuda.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <map>
-
-#include <fmt/format.h>
 
 #include "io/atomic_commit.h"
 #include "io/filename.h"
@@ -192,9 +191,9 @@ LoadStateReport Accelerator::load_state(const std::string& input_dir) {
       throw Error(ErrorCode::NotFound,
                   fmt::format("no valid checkpoint under {}{}; save one with save_state() first",
                               checkpoints_dir(),
-                              report.skipped.empty()
-                                  ? ""
-                                  : fmt::format(" ({} invalid ones skipped)", report.skipped.size())));
+                              report.skipped.empty() ? ""
+                                                     : fmt::format(" ({} invalid ones skipped)",
+                                                                   report.skipped.size())));
     }
   }
   for (const auto& hook : load_hooks_) hook(path);

@@ -11,8 +11,8 @@ int main(int argc, char** argv) {
   at::Tensor t = at::arange(12, at::TensorOptions().dtype(at::kFloat)).reshape({3, 4});
   torchpoint::save_file(path, {{{"t", t}}, {{"answer", 42}}});
   torchpoint::Container back = torchpoint::load_file(path);
-  bool ok = back.tensors.size() == 1 && back.tensors[0].second.equal(t) &&
-            back.state["answer"] == 42;
+  bool ok =
+      back.tensors.size() == 1 && back.tensors[0].second.equal(t) && back.state["answer"] == 42;
   std::printf("consumer: %s\n", ok ? "round trip ok" : "MISMATCH");
   return ok ? 0 : 1;
 }
