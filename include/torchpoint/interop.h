@@ -12,15 +12,28 @@
 
 namespace torchpoint {
 
-// The tensors of a dict saved by Python's torch.save (the zip format, PyTorch ≥ 1.6), in the
-// file's order, as a StateDict ready for load_module_state_dict(). Throws NotFound for a
-// missing file, Incompatible when the file does not hold a dict of tensors (naming the first
-// entry that is not a tensor), Corruption when it cannot be unpickled, and Unsupported for an
-// OrderedDict — what model.state_dict() returns — which LibTorch 1.13's unpickler cannot
-// read: save `dict(model.state_dict())` instead (or a .safetensors file).
+// The tensors of a state dict saved by Python's torch.save (the zip format, PyTorch >= 1.6):
+// what `torch.save(model.state_dict(), path)` writes (an OrderedDict), or a plain dict of
+// names to tensors. Returns them in the file's order as a StateDict ready for
+// load_module_state_dict(), on the CPU whatever device they were saved from, with their dtypes
+// (float32/64, float16, bfloat16, int8/16/32/64, uint8, bool), sizes, strides and storage
+// offsets; tensors that shared a storage in Python share one here, as after torch.load. The
+// state dict's `_metadata` (per-module versions) is ignored.
+//
+// The file is read by torchpoint's own zip reader and pickle interpreter, which accept only
+// what a state dict needs (no Python object is ever constructed), and treat the bytes as
+// hostile: every record's CRC-32, every length and index, and every tensor's extent within its
+// storage are checked first.
+//
+// Throws NotFound for a missing file; Corruption for a file that is not a torch.save zip or is
+// damaged (truncated, bad CRC, bad pickle, a tensor outside its storage), naming the file and
+// the cause; Unsupported for a compressed record, the pre-1.6 format, another dtype or any
+// other Python global (named in the message); Incompatible when the file holds something other
+// than a dict of strings to tensors (naming the first entry that is not a tensor). Nothing is
+// kept from a failed call. Thread-safe for distinct calls.
 //
 // Example:
-//   // Python: torch.save(dict(model.state_dict()), "model.pt")
+//   // Python: torch.save(model.state_dict(), "model.pt")
 //   auto sd = torchpoint::load_torch_state_dict("model.pt");
 //   torchpoint::load_module_state_dict(*model, sd);
 StateDict load_torch_state_dict(const std::string& path, Env& env = Env::posix());

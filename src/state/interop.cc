@@ -1,78 +1,90 @@
 #include "torchpoint/interop.h"
 
+#include <ATen/ops/empty.h>
 #include <fmt/format.h>
-#include <torch/csrc/jit/serialization/pickle.h>
+
+#include <bit>
+#include <cstring>
 
 #include "format/container.h"
+#include "state/torch_pickle.h"
+#include "state/torch_zip.h"
 #include "torchpoint/error.h"
 
 namespace torchpoint {
 namespace {
 
-std::uint32_t le16(const std::string& b, std::size_t at) {
-  return static_cast<std::uint8_t>(b[at]) | static_cast<std::uint8_t>(b[at + 1]) << 8;
-}
+// torch.save's format before PyTorch 1.6 (_use_new_zipfile_serialization=False) starts with
+// a pickled magic number instead of a zip record.
+constexpr std::string_view kLegacyMagic = "\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8";
 
-// LibTorch 1.13's unpickler turns every collections.OrderedDict into None (tensors carry an
-// empty one for their hooks, which is harmless; a state dict that is one fails). torch.save
-// writes data.pkl first and uncompressed, so the pickle's first opcodes are readable here.
-bool top_level_is_ordered_dict(const std::string& b) {
-  constexpr std::size_t kLocalHeader = 30;
-  if (b.size() < kLocalHeader || b.compare(0, 4, "PK\x03\x04") != 0) return false;
-  std::size_t name_len = le16(b, 26), extra_len = le16(b, 28);
-  std::size_t data = kLocalHeader + name_len + extra_len;
-  if (data + 2 > b.size()) return false;
-  std::string_view name(b.data() + kLocalHeader, name_len);
-  if (!name.ends_with("data.pkl")) return false;
-  std::size_t at = data;
-  if (static_cast<std::uint8_t>(b[at]) == 0x80) at += 2;  // PROTO n
-  static constexpr std::string_view kGlobal = "ccollections\nOrderedDict\n";
-  return b.compare(at, kGlobal.size(), kGlobal) == 0;
+// The bytes of storage `key`: record "<archive>/data/<key>", which must hold exactly `numel`
+// elements of `dtype`, copied into a fresh tensor so nothing points into the file's buffer.
+at::Tensor load_storage(const detail::TorchZip& zip, const std::string& path,
+                        const std::string& key, c10::ScalarType dtype, std::int64_t numel) {
+  std::string name = fmt::format("{}/data/{}", zip.prefix(), key);
+  if (!zip.contains(name)) {
+    throw Error(
+        ErrorCode::Corruption,
+        fmt::format("{}: the bytes of storage '{}' (record '{}') are missing", path, key, name));
+  }
+  std::uint64_t bytes = 0;
+  if (__builtin_mul_overflow(static_cast<std::uint64_t>(numel), c10::elementSize(dtype), &bytes) ||
+      zip.size(name) != bytes) {
+    throw Error(ErrorCode::Corruption,
+                fmt::format("{}: record '{}' holds {} bytes, but its storage of {} {} elements "
+                            "needs {}",
+                            path, name, zip.size(name), numel, c10::toString(dtype),
+                            numel * static_cast<std::int64_t>(c10::elementSize(dtype))));
+  }
+  std::string_view raw = zip.read(name);
+  if (dtype == c10::ScalarType::Bool) {
+    // Any byte but 0 and 1 would be an invalid bool in C++.
+    for (char c : raw) {
+      if (static_cast<std::uint8_t>(c) > 1) {
+        throw Error(
+            ErrorCode::Corruption,
+            fmt::format("{}: bool storage '{}' holds a byte that is neither 0 nor 1", path, key));
+      }
+    }
+  }
+  at::Tensor out = at::empty({numel}, at::TensorOptions().dtype(dtype));
+  if (bytes > 0) std::memcpy(out.data_ptr(), raw.data(), bytes);
+  return out;
 }
 
 }  // namespace
 
 StateDict load_torch_state_dict(const std::string& path, Env& env) {
   std::string bytes = env.read_file(path);
-  if (top_level_is_ordered_dict(bytes)) {
+  if (std::string_view(bytes).starts_with(kLegacyMagic)) {
     throw Error(ErrorCode::Unsupported,
-                fmt::format("{} holds an OrderedDict (what model.state_dict() returns), which "
-                            "LibTorch 1.13 cannot unpickle; in Python save "
-                            "torch.save(dict(model.state_dict()), path) or a .safetensors file",
+                fmt::format("{} was written by torch.save in the format before PyTorch 1.6 "
+                            "(_use_new_zipfile_serialization=False); save it again with a "
+                            "newer PyTorch's default",
                             path));
   }
-  c10::IValue value;
-  try {
-    value = torch::jit::pickle_load(std::vector<char>(bytes.begin(), bytes.end()));
-  } catch (const std::exception& e) {
-    throw Error(ErrorCode::Corruption,
-                fmt::format("{} is not a file written by torch.save (zip format) or is damaged: "
-                            "{}",
-                            path, std::string(e.what()).substr(0, 300)));
+  detail::TorchZip zip(bytes, path);
+  // Storage bytes are little-endian; recent PyTorch records the writer's byte order.
+  std::string order_record = zip.prefix() + "/byteorder";
+  if (zip.contains(order_record) && zip.read(order_record) != "little") {
+    throw Error(ErrorCode::Unsupported,
+                fmt::format("{} was written on a big-endian machine", path));
   }
-  if (!value.isGenericDict()) {
-    throw Error(ErrorCode::Incompatible,
-                fmt::format("{} holds a {}, not a state dict; save it with "
-                            "torch.save(model.state_dict(), path)",
-                            path, value.tagKind()));
+  if constexpr (std::endian::native != std::endian::little) {
+    throw Error(
+        ErrorCode::Unsupported,
+        "load_torch_state_dict reads little-endian storages on little-endian machines only");
   }
+  auto entries = detail::unpickle_state_dict(
+      zip.read(zip.prefix() + "/data.pkl"),
+      [&](const std::string& key, c10::ScalarType dtype, std::int64_t numel) {
+        return load_storage(zip, path, key, dtype, numel);
+      },
+      path);
   StateDict out;
   out.set_description(path);
-  for (const auto& entry : value.toGenericDict()) {
-    if (!entry.key().isString()) {
-      throw Error(ErrorCode::Incompatible,
-                  fmt::format("{}: a key of the state dict is a {}, not a string", path,
-                              entry.key().tagKind()));
-    }
-    const std::string& key = entry.key().toStringRef();
-    if (!entry.value().isTensor()) {
-      throw Error(ErrorCode::Incompatible,
-                  fmt::format("{}: '{}' is a {}, not a tensor; only tensors can be loaded into "
-                              "a module",
-                              path, key, entry.value().tagKind()));
-    }
-    out.set(key, entry.value().toTensor());
-  }
+  for (auto& [key, tensor] : entries) out.set(key, std::move(tensor));
   return out;
 }
 

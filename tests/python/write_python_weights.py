@@ -4,17 +4,117 @@
 Usage: write_python_weights.py OUT_DIR
 
 OUT_DIR/model.pt           torch.save(dict(model.state_dict())) of Sequential(Linear(4,3), ReLU, Linear(3,2))
-OUT_DIR/ordered.pt         torch.save(model.state_dict()): an OrderedDict
+OUT_DIR/ordered.pt         torch.save(model.state_dict()) of the same model: an OrderedDict
 OUT_DIR/plain.safetensors  the same tensors in a safetensors file written with struct/json only
                            (no torchpoint metadata, header keys in sorted order, as other tools do)
 OUT_DIR/expected.json      every tensor's shape and values, as float.hex strings
+
+OUT_DIR/bn.pt              torch.save(model.state_dict()) of Sequential(Linear(4,3), BatchNorm1d(3),
+                           Linear(3,2)) after two training steps; 0.weight is a transposed view,
+                           0.bias and 2.bias are slices of one storage (offsets 5 and 2)
+OUT_DIR/buffers.pt         torch.save(module.state_dict()) of a module whose buffers are float32,
+                           float64, float16, bfloat16, int64, int32, int16, int8, uint8, bool, a
+                           0-d tensor, an empty tensor and special floats
+OUT_DIR/<name>.raw         the bytes of every tensor of <name>.pt, contiguous, in order
+OUT_DIR/tensors.json       for bn and buffers: per tensor, dtype, shape, stride, storage offset
+                           and [begin, end) of its bytes in <name>.raw
+Hostile and wrong files (made from bn.pt; zipfile writes correct CRCs, so only the named defect
+is there):
+OUT_DIR/compressed.pt      bn.pt's records, deflated
+OUT_DIR/bad_opcode.pt      data.pkl with byte 0xff where its first GLOBAL was
+OUT_DIR/past_end.pt        0.bias's storage offset 5 raised to 250 (the storage has 10 elements)
+OUT_DIR/unknown_global.pt  torch.save({"w": tensor, "run": os.system})
+OUT_DIR/not_tensor.pt      torch.save({"w": tensor, "step": 3})
+OUT_DIR/a_list.pt          torch.save([tensor])
 """
+import collections
 import json
 import os
 import struct
 import sys
+import zipfile
 
 import torch
+
+DTYPE_NAMES = {
+    torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
+    torch.bfloat16: "bfloat16", torch.int64: "int64", torch.int32: "int32",
+    torch.int16: "int16", torch.int8: "int8", torch.uint8: "uint8", torch.bool: "bool",
+}
+
+
+def raw_bytes(t):
+    return bytes(t.contiguous().reshape(-1).view(torch.uint8).tolist())
+
+
+def describe(out, name, state):
+    """Writes OUT/<name>.raw and returns the tensors' description for tensors.json."""
+    info = {}
+    data = b""
+    for key, t in state.items():
+        raw = raw_bytes(t)
+        info[key] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+                     "stride": list(t.stride()), "offset": t.storage_offset(),
+                     "bytes": [len(data), len(data) + len(raw)]}
+        data += raw
+    with open(os.path.join(out, name + ".raw"), "wb") as f:
+        f.write(data)
+    return {"order": list(state.keys()), "tensors": info}
+
+
+def rezip(src, dst, compress=False, patch=None):
+    """Copies the records of zip `src` to `dst`, optionally deflated or with data.pkl patched."""
+    method = zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", method) as zout:
+        for info in zin.infolist():
+            data = zin.read(info.filename)
+            if patch is not None and info.filename.endswith("/data.pkl"):
+                data = patch(data)
+            zout.writestr(info.filename, data)
+
+
+def replace_once(data, old, new):
+    assert data.count(old) == 1, (old, data.count(old))
+    return data.replace(old, new)
+
+
+def batchnorm_model():
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3),
+                                torch.nn.Linear(3, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(8, 4)).square().sum().backward()
+        opt.step()
+    with torch.no_grad():
+        # A transposed view: saved with strides (1, 4), not contiguous.
+        model[0].weight = torch.nn.Parameter(model[0].weight.detach().t().contiguous().t())
+        # Two parameters in one storage, at offsets 5 and 2.
+        shared = torch.randn(10)
+        model[0].bias = torch.nn.Parameter(shared[5:8])
+        model[2].bias = torch.nn.Parameter(shared[2:4])
+    return model
+
+
+class Buffers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(9)
+        self.register_buffer("f32", torch.randn(3, 4))
+        self.register_buffer("f64", torch.randn(5, dtype=torch.float64))
+        self.register_buffer("f16", torch.randn(2, 3).half())
+        self.register_buffer("bf16", torch.randn(4).bfloat16())
+        self.register_buffer("i64", torch.tensor([-(2**62), -1, 0, 7, 2**62 + 12345]))
+        self.register_buffer("i32", torch.tensor([-(2**31), 2**31 - 1], dtype=torch.int32))
+        self.register_buffer("i16", torch.tensor([-300, 300], dtype=torch.int16))
+        self.register_buffer("i8", torch.tensor([-128, 127], dtype=torch.int8))
+        self.register_buffer("u8", torch.tensor([0, 200, 255], dtype=torch.uint8))
+        self.register_buffer("flags", torch.tensor([[True, False], [False, True]]))
+        self.register_buffer("scalar", torch.tensor(2.5, dtype=torch.float64))
+        self.register_buffer("empty", torch.zeros(0, 3))
+        self.register_buffer("special", torch.tensor([float("nan"), -0.0, float("inf"),
+                                                      -float("inf"), 1e-45]))
 
 
 def main():
@@ -43,6 +143,30 @@ def main():
         f.write(struct.pack("<Q", len(text)) + text + data)
     with open(os.path.join(out, "expected.json"), "w") as f:
         json.dump(expected, f)
+
+    tensors = {}
+    bn = batchnorm_model().state_dict()
+    assert isinstance(bn, collections.OrderedDict) and not bn["0.weight"].is_contiguous()
+    torch.save(bn, os.path.join(out, "bn.pt"))
+    tensors["bn"] = describe(out, "bn", bn)
+    buffers = Buffers().state_dict()
+    torch.save(buffers, os.path.join(out, "buffers.pt"))
+    tensors["buffers"] = describe(out, "buffers", buffers)
+    with open(os.path.join(out, "tensors.json"), "w") as f:
+        json.dump(tensors, f)
+
+    bn_path = os.path.join(out, "bn.pt")
+    rezip(bn_path, os.path.join(out, "compressed.pt"), compress=True)
+    rezip(bn_path, os.path.join(out, "bad_opcode.pt"),
+          patch=lambda d: replace_once(d, b"ccollections\nOrderedDict\n",
+                                       b"\xffcollections\nOrderedDict\n"))
+    # BINPERSID, then BININT1 5: the storage offset of 0.bias.
+    rezip(bn_path, os.path.join(out, "past_end.pt"),
+          patch=lambda d: replace_once(d, b"QK\x05", b"QK\xfa"))
+    w = torch.ones(2)
+    torch.save({"w": w, "run": os.system}, os.path.join(out, "unknown_global.pt"))
+    torch.save({"w": w, "step": 3}, os.path.join(out, "not_tensor.pt"))
+    torch.save([w], os.path.join(out, "a_list.pt"))
 
 
 if __name__ == "__main__":

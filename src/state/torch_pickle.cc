@@ -1,0 +1,553 @@
+#include "state/torch_pickle.h"
+
+#include <fmt/format.h>
+
+#include <bit>
+#include <cstring>
+#include <deque>
+#include <type_traits>
+#include <unordered_map>
+#include <variant>
+
+#include "torchpoint/error.h"
+
+namespace torchpoint::detail {
+namespace {
+
+// Bounds far above what torch.save writes (it batches SETITEMS by 1000 and nests a few levels
+// deep), so that a hostile pickle cannot grow memory faster than its own size.
+constexpr std::size_t kMaxStack = 1 << 20;
+constexpr std::size_t kMaxMarks = 1 << 10;
+constexpr std::size_t kMaxObjects = 1 << 22;
+constexpr std::size_t kMaxGlobalName = 256;
+constexpr std::size_t kMaxDims = 64;
+
+// Values on the stack and in the memo are small: scalars, or an index of an object in the
+// arena. Objects never own each other, so a deep or cyclic structure frees without recursion,
+// and copying a value (BINGET) never copies a string or a container.
+struct None {};
+struct Ref {
+  std::uint32_t index;
+};
+using Value = std::variant<None, bool, std::int64_t, double, Ref>;
+
+enum class Callable { kOrderedDict, kRebuildTensor, kRebuildParameter, kStorageType };
+
+struct Str {
+  std::string text;
+};
+struct Tuple {
+  std::vector<Value> items;
+};
+struct List {
+  std::vector<Value> items;
+};
+struct Dict {
+  std::vector<std::pair<Value, Value>> entries;
+  bool ordered = false;
+};
+struct Global {
+  Callable what;
+  std::string name;  // "torch.FloatStorage"
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+};
+struct Storage {
+  at::Tensor data;  // 1-D, contiguous
+};
+struct Tensor {
+  at::Tensor tensor;
+};
+using Object = std::variant<Str, Tuple, List, Dict, Global, Storage, Tensor>;
+
+struct StorageType {
+  std::string_view name;
+  c10::ScalarType dtype;
+};
+constexpr StorageType kStorageTypes[] = {
+    {"FloatStorage", c10::ScalarType::Float}, {"DoubleStorage", c10::ScalarType::Double},
+    {"HalfStorage", c10::ScalarType::Half},   {"BFloat16Storage", c10::ScalarType::BFloat16},
+    {"LongStorage", c10::ScalarType::Long},   {"IntStorage", c10::ScalarType::Int},
+    {"ShortStorage", c10::ScalarType::Short}, {"CharStorage", c10::ScalarType::Char},
+    {"ByteStorage", c10::ScalarType::Byte},   {"BoolStorage", c10::ScalarType::Bool},
+};
+
+class Unpickler {
+ public:
+  Unpickler(std::string_view data, const StorageLoader& load, const std::string& where)
+      : data_(data), load_(load), where_(where) {}
+
+  std::vector<std::pair<std::string, at::Tensor>> run() {
+    Value top = interpret();
+    const Dict* dict = as<Dict>(top);
+    if (dict == nullptr) {
+      throw Error(ErrorCode::Incompatible,
+                  fmt::format("{} holds a {}, not a state dict; save it with "
+                              "torch.save(model.state_dict(), path)",
+                              where_, kind(top)));
+    }
+    std::vector<std::pair<std::string, at::Tensor>> out;
+    out.reserve(dict->entries.size());
+    for (const auto& [key, value] : dict->entries) {
+      const Str* name = as<Str>(key);
+      if (name == nullptr) {
+        throw Error(
+            ErrorCode::Incompatible,
+            fmt::format("{}: a key of the state dict is a {}, not a string", where_, kind(key)));
+      }
+      const Tensor* tensor = as<Tensor>(value);
+      if (tensor == nullptr) {
+        throw Error(ErrorCode::Incompatible,
+                    fmt::format("{}: '{}' is a {}, not a tensor; only tensors can be loaded into "
+                                "a module",
+                                where_, name->text, kind(value)));
+      }
+      out.emplace_back(name->text, tensor->tensor);
+    }
+    return out;
+  }
+
+ private:
+  [[noreturn]] void corrupt(const std::string& cause) const {
+    throw Error(ErrorCode::Corruption,
+                fmt::format("{}: data.pkl is damaged at byte {}: {}", where_, op_at_, cause));
+  }
+
+  // --- reading the byte stream ---
+  void need(std::size_t n) const {
+    if (data_.size() - at_ < n) corrupt("the pickle ends early (truncated?)");
+  }
+  std::uint64_t le(int n) {
+    need(n);
+    std::uint64_t v = 0;
+    for (int i = n - 1; i >= 0; --i) v = v << 8 | static_cast<std::uint8_t>(data_[at_ + i]);
+    at_ += n;
+    return v;
+  }
+  std::string_view take(std::size_t n) {
+    need(n);
+    std::string_view s = data_.substr(at_, n);
+    at_ += n;
+    return s;
+  }
+  std::string_view line() {
+    std::string_view rest = data_.substr(at_, kMaxGlobalName + 1);
+    std::size_t end = rest.find('\n');
+    if (end == std::string_view::npos) corrupt("a GLOBAL name is unterminated or too long");
+    at_ += end + 1;
+    return rest.substr(0, end);
+  }
+
+  // --- objects and the stack ---
+  Ref make(Object object) {
+    if (objects_.size() >= kMaxObjects) corrupt("too many objects");
+    objects_.push_back(std::move(object));
+    return Ref{static_cast<std::uint32_t>(objects_.size() - 1)};
+  }
+  template <typename T>
+  T* as(const Value& v) {
+    const Ref* ref = std::get_if<Ref>(&v);
+    return ref == nullptr ? nullptr : std::get_if<T>(&objects_[ref->index]);
+  }
+  void push(Value v) {
+    if (stack_.size() >= kMaxStack) corrupt("the stack grows too deep");
+    stack_.push_back(v);
+  }
+  Value pop() {
+    if (stack_.size() <= floor()) corrupt("the stack is empty");
+    Value v = stack_.back();
+    stack_.pop_back();
+    return v;
+  }
+  Value& top() {
+    if (stack_.size() <= floor()) corrupt("the stack is empty");
+    return stack_.back();
+  }
+  // Items above the innermost MARK are not visible to ordinary opcodes.
+  std::size_t floor() const { return marks_.empty() ? 0 : marks_.back(); }
+  std::vector<Value> pop_mark() {
+    if (marks_.empty()) corrupt("an opcode needs a MARK that is not there");
+    std::size_t from = marks_.back();
+    marks_.pop_back();
+    std::vector<Value> items(stack_.begin() + static_cast<std::ptrdiff_t>(from), stack_.end());
+    stack_.resize(from);
+    return items;
+  }
+
+  std::string kind(const Value& v) const {
+    struct Visitor {
+      const Unpickler& self;
+      std::string operator()(None) const { return "None"; }
+      std::string operator()(bool) const { return "bool"; }
+      std::string operator()(std::int64_t) const { return "int"; }
+      std::string operator()(double) const { return "float"; }
+      std::string operator()(Ref r) const {
+        return std::visit(
+            [](const auto& o) -> std::string {
+              using T = std::decay_t<decltype(o)>;
+              if constexpr (std::is_same_v<T, Str>) {
+                return "str";
+              } else if constexpr (std::is_same_v<T, Tuple>) {
+                return "tuple";
+              } else if constexpr (std::is_same_v<T, List>) {
+                return "list";
+              } else if constexpr (std::is_same_v<T, Dict>) {
+                return o.ordered ? "OrderedDict" : "dict";
+              } else if constexpr (std::is_same_v<T, Global>) {
+                return o.name;
+              } else if constexpr (std::is_same_v<T, Storage>) {
+                return "storage";
+              } else {
+                return "tensor";
+              }
+            },
+            self.objects_[r.index]);
+      }
+    };
+    return std::visit(Visitor{*this}, v);
+  }
+
+  // --- the interpreter ---
+  Value interpret() {
+    while (true) {
+      op_at_ = at_;
+      need(1);
+      auto op = static_cast<std::uint8_t>(data_[at_++]);
+      switch (op) {
+        case 0x80: {  // PROTO
+          std::uint64_t version = le(1);
+          if (version > 5) corrupt(fmt::format("unknown pickle protocol {}", version));
+          break;
+        }
+        case 0x95:  // FRAME: a length hint only
+          le(8);
+          break;
+        case '}':  // EMPTY_DICT
+          push(make(Dict{}));
+          break;
+        case ')':  // EMPTY_TUPLE
+          push(make(Tuple{}));
+          break;
+        case ']':  // EMPTY_LIST
+          push(make(List{}));
+          break;
+        case '(':  // MARK
+          if (marks_.size() >= kMaxMarks) corrupt("MARKs nest too deep");
+          marks_.push_back(stack_.size());
+          break;
+        case 't':  // TUPLE
+          push(make(Tuple{pop_mark()}));
+          break;
+        case 0x85:    // TUPLE1
+        case 0x86:    // TUPLE2
+        case 0x87: {  // TUPLE3
+          std::size_t n = op - 0x84u;
+          std::vector<Value> items(n);
+          for (std::size_t i = n; i-- > 0;) items[i] = pop();
+          push(make(Tuple{std::move(items)}));
+          break;
+        }
+        case 'X':  // BINUNICODE
+          push(make(Str{std::string(take(le(4)))}));
+          break;
+        case 0x8c:  // SHORT_BINUNICODE
+          push(make(Str{std::string(take(le(1)))}));
+          break;
+        case 'J':  // BININT
+          push(static_cast<std::int64_t>(static_cast<std::int32_t>(le(4))));
+          break;
+        case 'K':  // BININT1
+          push(static_cast<std::int64_t>(le(1)));
+          break;
+        case 'M':  // BININT2
+          push(static_cast<std::int64_t>(le(2)));
+          break;
+        case 0x8a: {  // LONG1: little-endian two's complement of n bytes
+          std::uint64_t n = le(1);
+          if (n > 8) corrupt(fmt::format("an integer of {} bytes does not fit in 64 bits", n));
+          std::uint64_t v = n == 0 ? 0 : le(static_cast<int>(n));
+          if (n > 0 && n < 8 && (v >> (8 * n - 1)) & 1) v |= ~std::uint64_t{0} << (8 * n);
+          push(static_cast<std::int64_t>(v));
+          break;
+        }
+        case 'G': {  // BINFLOAT: big-endian
+          need(8);
+          std::uint64_t bits = 0;
+          for (int i = 0; i < 8; ++i) bits = bits << 8 | static_cast<std::uint8_t>(data_[at_++]);
+          push(std::bit_cast<double>(bits));
+          break;
+        }
+        case 0x88:  // NEWTRUE
+          push(true);
+          break;
+        case 0x89:  // NEWFALSE
+          push(false);
+          break;
+        case 'N':  // NONE
+          push(None{});
+          break;
+        case 'c': {                          // GLOBAL
+          std::string_view module = line();  // read before the name: the order matters
+          push(make(global(module, line())));
+          break;
+        }
+        case 'R': {  // REDUCE
+          Value args = pop();
+          Value callable = pop();
+          push(reduce(callable, args));
+          break;
+        }
+        case 'b': {  // BUILD
+          Value state = pop();
+          (void)state;
+          // model.state_dict() sets `_metadata` (per-module versions) on its OrderedDict this
+          // way; it is not needed to load the tensors, so it is dropped.
+          Dict* dict = as<Dict>(top());
+          if (dict == nullptr || !dict->ordered) {
+            throw Error(ErrorCode::Unsupported,
+                        fmt::format("{}: data.pkl sets the attributes of a {} (BUILD); only an "
+                                    "OrderedDict's are accepted",
+                                    where_, kind(top())));
+          }
+          break;
+        }
+        case 's': {  // SETITEM
+          Value value = pop();
+          Value key = pop();
+          dict_at_top().entries.emplace_back(key, value);
+          break;
+        }
+        case 'u': {  // SETITEMS
+          std::vector<Value> items = pop_mark();
+          if (items.size() % 2 != 0) corrupt("SETITEMS with an odd number of items");
+          Dict& dict = dict_at_top();
+          for (std::size_t i = 0; i < items.size(); i += 2) {
+            dict.entries.emplace_back(items[i], items[i + 1]);
+          }
+          break;
+        }
+        case 'a': {  // APPEND
+          Value value = pop();
+          list_at_top().items.push_back(value);
+          break;
+        }
+        case 'e': {  // APPENDS
+          std::vector<Value> items = pop_mark();
+          List& list = list_at_top();
+          list.items.insert(list.items.end(), items.begin(), items.end());
+          break;
+        }
+        case 'q':  // BINPUT
+          put(le(1));
+          break;
+        case 'r':  // LONG_BINPUT
+          put(le(4));
+          break;
+        case 0x94:  // MEMOIZE
+          put(memo_.size());
+          break;
+        case 'h':  // BINGET
+          get(le(1));
+          break;
+        case 'j':  // LONG_BINGET
+          get(le(4));
+          break;
+        case 'Q':  // BINPERSID
+          push(persistent_load(pop()));
+          break;
+        case '.': {  // STOP
+          Value result = pop();
+          if (!stack_.empty() || !marks_.empty()) corrupt("STOP leaves items on the stack");
+          return result;
+        }
+        default:
+          corrupt(fmt::format("bad or unsupported pickle opcode 0x{:02x}", op));
+      }
+    }
+  }
+
+  Dict& dict_at_top() {
+    Dict* dict = as<Dict>(top());
+    if (dict == nullptr) corrupt(fmt::format("SETITEM on a {}, not a dict", kind(top())));
+    return *dict;
+  }
+  List& list_at_top() {
+    List* list = as<List>(top());
+    if (list == nullptr) corrupt(fmt::format("APPEND on a {}, not a list", kind(top())));
+    return *list;
+  }
+
+  void put(std::uint64_t index) {
+    Value v = top();
+    if (!memo_.contains(index) && memo_.size() >= kMaxObjects) corrupt("the memo grows too big");
+    memo_[index] = v;
+  }
+  void get(std::uint64_t index) {
+    auto it = memo_.find(index);
+    if (it == memo_.end()) corrupt(fmt::format("memo entry {} was never set", index));
+    push(it->second);
+  }
+
+  Global global(std::string_view module, std::string_view name) {
+    std::string full = fmt::format("{}.{}", module, name);
+    if (module == "collections" && name == "OrderedDict") return {Callable::kOrderedDict, full};
+    if (module == "torch._utils" && name == "_rebuild_tensor_v2") {
+      return {Callable::kRebuildTensor, full};
+    }
+    if (module == "torch._utils" && name == "_rebuild_parameter") {
+      return {Callable::kRebuildParameter, full};
+    }
+    if (module == "torch") {
+      for (const StorageType& type : kStorageTypes) {
+        if (type.name == name) return {Callable::kStorageType, full, type.dtype};
+      }
+    }
+    throw Error(ErrorCode::Unsupported,
+                fmt::format("{}: data.pkl refers to the Python global {}, which is not part of a "
+                            "state dict of tensors that torchpoint can read (tensors of dtype "
+                            "float32/64, float16, bfloat16, int8/16/32/64, uint8 or bool, in a "
+                            "dict or OrderedDict)",
+                            where_, full));
+  }
+
+  Value reduce(const Value& callable, const Value& args_value) {
+    const Global* fn = as<Global>(callable);
+    const Tuple* args_tuple = as<Tuple>(args_value);
+    if (fn == nullptr || args_tuple == nullptr) {
+      corrupt(fmt::format("REDUCE of a {} with {} arguments", kind(callable), kind(args_value)));
+    }
+    // Objects live in a deque, which keeps references valid while make() adds more.
+    const std::vector<Value>& args = args_tuple->items;
+    switch (fn->what) {
+      case Callable::kOrderedDict:
+        if (!args.empty()) {
+          throw Error(ErrorCode::Unsupported,
+                      fmt::format("{}: data.pkl builds an OrderedDict from arguments", where_));
+        }
+        return make(Dict{{}, true});
+      case Callable::kRebuildTensor:
+        return rebuild_tensor(args);
+      case Callable::kRebuildParameter:
+        if (args.size() != 3 || as<Tensor>(args[0]) == nullptr) {
+          corrupt("_rebuild_parameter takes (tensor, requires_grad, hooks)");
+        }
+        return args[0];
+      case Callable::kStorageType:
+        break;
+    }
+    throw Error(
+        ErrorCode::Unsupported,
+        fmt::format("{}: data.pkl calls {}, which torch.save never does", where_, fn->name));
+  }
+
+  std::int64_t integer(const Value& v, const char* what) {
+    const std::int64_t* i = std::get_if<std::int64_t>(&v);
+    if (i == nullptr) corrupt(fmt::format("{} is a {}, not an int", what, kind(v)));
+    return *i;
+  }
+  std::vector<std::int64_t> integers(const Value& v, const char* what) {
+    const Tuple* t = as<Tuple>(v);
+    if (t == nullptr) corrupt(fmt::format("{} is a {}, not a tuple", what, kind(v)));
+    if (t->items.size() > kMaxDims) corrupt(fmt::format("{} has too many dimensions", what));
+    std::vector<std::int64_t> out;
+    for (const Value& item : t->items) out.push_back(integer(item, what));
+    return out;
+  }
+
+  // _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad, backward_hooks[,
+  // metadata]): a view of the storage, checked to stay inside it.
+  Value rebuild_tensor(const std::vector<Value>& args) {
+    if (args.size() != 6 && args.size() != 7) {
+      corrupt(fmt::format("_rebuild_tensor_v2 takes 6 or 7 arguments, not {}", args.size()));
+    }
+    const Storage* storage = as<Storage>(args[0]);
+    if (storage == nullptr) corrupt(fmt::format("a tensor's storage is a {}", kind(args[0])));
+    at::Tensor data = storage->data;
+    std::int64_t offset = integer(args[1], "a storage offset");
+    std::vector<std::int64_t> sizes = integers(args[2], "a tensor's size");
+    std::vector<std::int64_t> strides = integers(args[3], "a tensor's stride");
+    if (sizes.size() != strides.size()) {
+      corrupt(fmt::format("a tensor has {} sizes but {} strides", sizes.size(), strides.size()));
+    }
+    const std::int64_t available = data.numel();
+    // The last element a view reaches is offset + sum((size - 1) * stride); it must lie in the
+    // storage. An empty view reaches nothing but its offset must still be in range.
+    std::int64_t last = offset;
+    std::int64_t numel = 1;
+    bool empty = false;
+    if (offset < 0) corrupt(fmt::format("storage offset {} is negative", offset));
+    for (std::size_t d = 0; d < sizes.size(); ++d) {
+      if (sizes[d] < 0 || strides[d] < 0) {
+        corrupt(fmt::format("a tensor has size {} and stride {} in dimension {}", sizes[d],
+                            strides[d], d));
+      }
+      if (sizes[d] == 0) empty = true;
+      std::int64_t reach = 0;
+      if (sizes[d] > 0 && (__builtin_mul_overflow(sizes[d] - 1, strides[d], &reach) ||
+                           __builtin_add_overflow(last, reach, &last))) {
+        corrupt("a tensor's size and stride overflow");
+      }
+      if (__builtin_mul_overflow(numel, sizes[d], &numel)) corrupt("a tensor's size overflows");
+    }
+    if (empty ? offset > available : last >= available) {
+      corrupt(
+          fmt::format("a tensor of size [{}], stride [{}] at storage offset {} reaches past "
+                      "the end of its storage of {} elements",
+                      fmt::join(sizes, ", "), fmt::join(strides, ", "), offset, available));
+    }
+    return make(Tensor{data.as_strided(sizes, strides, offset)});
+  }
+
+  // ('storage', storage type, key, location, numel), as torch.save's persistent_id writes it.
+  Value persistent_load(const Value& pid) {
+    const Tuple* t = as<Tuple>(pid);
+    if (t == nullptr || t->items.size() != 5) {
+      corrupt(fmt::format("a persistent id is a {}, not a 5-tuple", kind(pid)));
+    }
+    const std::vector<Value>& items = t->items;
+    const Str* tag = as<Str>(items[0]);
+    const Global* type = as<Global>(items[1]);
+    const Str* key = as<Str>(items[2]);
+    std::int64_t numel = integer(items[4], "a storage's size");
+    if (tag == nullptr || tag->text != "storage") corrupt("a persistent id is not a storage");
+    if (type == nullptr || type->what != Callable::kStorageType) {
+      corrupt(fmt::format("a storage's type is {}", kind(items[1])));
+    }
+    if (key == nullptr) corrupt(fmt::format("a storage's key is a {}", kind(items[2])));
+    if (numel < 0) corrupt(fmt::format("storage '{}' has {} elements", key->text, numel));
+    std::string name = key->text;
+    c10::ScalarType dtype = type->dtype;
+    auto it = storages_.find(name);
+    if (it != storages_.end()) {
+      const at::Tensor& seen = std::get<Storage>(objects_[it->second.index]).data;
+      if (seen.scalar_type() != dtype || seen.numel() != numel) {
+        corrupt(fmt::format("storage '{}' is declared twice with different types or sizes", name));
+      }
+      return it->second;
+    }
+    at::Tensor data = load_(name, dtype, numel);
+    Ref ref = make(Storage{std::move(data)});
+    storages_.emplace(std::move(name), ref);
+    return ref;
+  }
+
+  std::string_view data_;
+  const StorageLoader& load_;
+  const std::string& where_;
+  std::size_t at_ = 0;
+  std::size_t op_at_ = 0;
+  std::deque<Object> objects_;
+  std::vector<Value> stack_;
+  std::vector<std::size_t> marks_;
+  std::unordered_map<std::uint64_t, Value> memo_;
+  std::unordered_map<std::string, Ref> storages_;
+};
+
+}  // namespace
+
+std::vector<std::pair<std::string, at::Tensor>> unpickle_state_dict(std::string_view pickle,
+                                                                    const StorageLoader& load,
+                                                                    const std::string& where) {
+  return Unpickler(pickle, load, where).run();
+}
+
+}  // namespace torchpoint::detail

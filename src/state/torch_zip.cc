@@ -1,0 +1,218 @@
+#include "state/torch_zip.h"
+
+#include <fmt/format.h>
+
+#include <array>
+#include <utility>
+
+#include "torchpoint/error.h"
+
+namespace torchpoint::detail {
+namespace {
+
+// Record signatures and fixed sizes from PKWARE's APPNOTE.TXT.
+constexpr std::uint32_t kLocalHeaderSig = 0x04034b50;
+constexpr std::uint32_t kCentralHeaderSig = 0x02014b50;
+constexpr std::uint32_t kEndSig = 0x06054b50;
+constexpr std::uint32_t kZip64EndSig = 0x06064b50;
+constexpr std::uint32_t kZip64LocatorSig = 0x07064b50;
+constexpr std::uint64_t kLocalHeaderSize = 30;
+constexpr std::uint64_t kCentralHeaderSize = 46;
+constexpr std::uint64_t kEndSize = 22;
+constexpr std::uint64_t kZip64EndSize = 56;
+constexpr std::uint64_t kZip64LocatorSize = 20;
+constexpr std::uint16_t kZip64ExtraId = 0x0001;
+constexpr std::uint64_t kMaxComment = 0xffff;
+
+// Little-endian integer of `n` bytes at `at`; the caller has checked the bounds.
+std::uint64_t le(std::string_view b, std::uint64_t at, int n) {
+  std::uint64_t v = 0;
+  for (int i = n - 1; i >= 0; --i) v = v << 8 | static_cast<std::uint8_t>(b[at + i]);
+  return v;
+}
+
+constexpr std::array<std::uint32_t, 256> make_crc_table() {
+  std::array<std::uint32_t, 256> table{};
+  for (std::uint32_t i = 0; i < 256; ++i) {
+    std::uint32_t c = i;
+    for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xedb88320u ^ (c >> 1) : c >> 1;
+    table[i] = c;
+  }
+  return table;
+}
+constexpr auto kCrcTable = make_crc_table();
+
+}  // namespace
+
+std::uint32_t crc32(std::string_view data) {
+  std::uint32_t c = 0xffffffffu;
+  for (char ch : data) c = kCrcTable[(c ^ static_cast<std::uint8_t>(ch)) & 0xff] ^ (c >> 8);
+  return c ^ 0xffffffffu;
+}
+
+void TorchZip::fail(const std::string& cause) const {
+  throw Error(ErrorCode::Corruption,
+              fmt::format("{} is not a file written by torch.save (zip format, PyTorch >= 1.6) "
+                          "or is damaged: {}",
+                          path_, cause));
+}
+
+TorchZip::TorchZip(std::string_view bytes, std::string path)
+    : bytes_(bytes), path_(std::move(path)) {
+  const std::uint64_t n = bytes_.size();
+  if (n < kEndSize) fail("too short to be a zip archive (truncated?)");
+  // The end record is the last 22 bytes plus a comment of up to 64 KiB: search backwards for
+  // a signature whose comment length reaches exactly the end of the file.
+  std::uint64_t end = n;
+  std::uint64_t lowest = n - kEndSize > kMaxComment ? n - kEndSize - kMaxComment : 0;
+  for (std::uint64_t p = n - kEndSize + 1; p-- > lowest;) {
+    if (le(bytes_, p, 4) == kEndSig && p + kEndSize + le(bytes_, p + 20, 2) == n) {
+      end = p;
+      break;
+    }
+  }
+  if (end == n) fail("no end-of-central-directory record (truncated or not a zip archive)");
+  if (le(bytes_, end + 4, 2) != 0 || le(bytes_, end + 6, 2) != 0) {
+    fail("the archive spans several disks");
+  }
+  std::uint64_t count = le(bytes_, end + 10, 2);
+  std::uint64_t dir_size = le(bytes_, end + 12, 4);
+  std::uint64_t dir_offset = le(bytes_, end + 16, 4);
+  std::uint64_t dir_end = end;
+  // torch.save always writes a ZIP64 end record (located by the 20 bytes before the plain
+  // one); its counts are the authoritative ones.
+  if (end >= kZip64LocatorSize && le(bytes_, end - kZip64LocatorSize, 4) == kZip64LocatorSig) {
+    std::uint64_t locator = end - kZip64LocatorSize;
+    std::uint64_t at = le(bytes_, locator + 8, 8);
+    if (at > locator || locator - at < kZip64EndSize || le(bytes_, at, 4) != kZip64EndSig) {
+      fail("the ZIP64 end-of-central-directory record is missing or out of place");
+    }
+    count = le(bytes_, at + 32, 8);
+    dir_size = le(bytes_, at + 40, 8);
+    dir_offset = le(bytes_, at + 48, 8);
+    dir_end = at;
+  }
+  if (dir_offset > dir_end || dir_size > dir_end - dir_offset) {
+    fail(fmt::format("the central directory ({} bytes at {}) lies outside the archive", dir_size,
+                     dir_offset));
+  }
+  read_directory(dir_offset, dir_size, count);
+  if (records_.empty()) fail("the archive has no records");
+  const std::string& first = records_.front().name;
+  std::size_t slash = first.find('/');
+  if (slash == std::string::npos || slash == 0) {
+    fail(fmt::format("its first record '{}' is not inside a directory", first));
+  }
+  prefix_ = first.substr(0, slash);
+}
+
+void TorchZip::read_directory(std::uint64_t offset, std::uint64_t size, std::uint64_t count) {
+  directory_offset_ = offset;
+  // Every entry takes at least 46 bytes, which bounds the count before anything is reserved.
+  if (count > size / kCentralHeaderSize) {
+    fail(fmt::format("the directory claims {} records in {} bytes", count, size));
+  }
+  records_.reserve(count);
+  std::uint64_t at = offset;
+  const std::uint64_t limit = offset + size;
+  for (std::uint64_t i = 0; i < count; ++i) {
+    if (limit - at < kCentralHeaderSize || le(bytes_, at, 4) != kCentralHeaderSig) {
+      fail(fmt::format("directory entry {} is damaged", i));
+    }
+    std::uint64_t flags = le(bytes_, at + 8, 2);
+    std::uint64_t method = le(bytes_, at + 10, 2);
+    Record r;
+    r.crc32 = static_cast<std::uint32_t>(le(bytes_, at + 16, 4));
+    std::uint64_t packed = le(bytes_, at + 20, 4);
+    r.size = le(bytes_, at + 24, 4);
+    std::uint64_t name_len = le(bytes_, at + 28, 2);
+    std::uint64_t extra_len = le(bytes_, at + 30, 2);
+    std::uint64_t comment_len = le(bytes_, at + 32, 2);
+    r.header_offset = le(bytes_, at + 42, 4);
+    std::uint64_t entry_size = kCentralHeaderSize + name_len + extra_len + comment_len;
+    if (limit - at < entry_size) fail(fmt::format("directory entry {} is truncated", i));
+    r.name.assign(bytes_.substr(at + kCentralHeaderSize, name_len));
+    // Sizes and offsets that do not fit in 32 bits are in the ZIP64 extra field, in this order.
+    std::uint64_t extra = at + kCentralHeaderSize + name_len;
+    const std::uint64_t extra_end = extra + extra_len;
+    while (extra_end - extra >= 4) {
+      std::uint64_t id = le(bytes_, extra, 2);
+      std::uint64_t len = le(bytes_, extra + 2, 2);
+      if (extra_end - extra - 4 < len) fail(fmt::format("record '{}': bad extra field", r.name));
+      if (id == kZip64ExtraId) {
+        std::uint64_t field = extra + 4;
+        auto take = [&](std::uint64_t& value) {
+          if (value != 0xffffffffu) return;
+          if (extra + 4 + len - field < 8) {
+            fail(fmt::format("record '{}': short ZIP64 extra field", r.name));
+          }
+          value = le(bytes_, field, 8);
+          field += 8;
+        };
+        take(r.size);
+        take(packed);
+        take(r.header_offset);
+      }
+      extra += 4 + len;
+    }
+    if (flags & 1) {
+      throw Error(ErrorCode::Unsupported,
+                  fmt::format("{}: record '{}' is encrypted, which torch.save never writes", path_,
+                              r.name));
+    }
+    if (method != 0) {
+      throw Error(ErrorCode::Unsupported,
+                  fmt::format("{}: record '{}' is compressed (zip method {}); torch.save stores "
+                              "records uncompressed, so save the file again with torch.save "
+                              "instead of re-zipping it",
+                              path_, r.name, method));
+    }
+    if (packed != r.size) {
+      fail(fmt::format("record '{}' is stored but its sizes differ ({} and {})", r.name, packed,
+                       r.size));
+    }
+    if (r.header_offset >= offset) {
+      fail(fmt::format("record '{}' starts at {}, past the central directory at {}", r.name,
+                       r.header_offset, offset));
+    }
+    if (!index_.emplace(r.name, records_.size()).second) {
+      fail(fmt::format("record '{}' appears twice", r.name));
+    }
+    records_.push_back(std::move(r));
+    at += entry_size;
+  }
+}
+
+std::uint64_t TorchZip::size(const std::string& name) const {
+  auto it = index_.find(name);
+  return it == index_.end() ? 0 : records_[it->second].size;
+}
+
+std::string_view TorchZip::read(const std::string& name) const {
+  auto it = index_.find(name);
+  if (it == index_.end()) fail(fmt::format("record '{}' is missing", name));
+  const Record& r = records_[it->second];
+  // The directory checked header_offset < directory_offset_ <= bytes_.size().
+  std::uint64_t at = r.header_offset;
+  if (directory_offset_ - at < kLocalHeaderSize || le(bytes_, at, 4) != kLocalHeaderSig) {
+    fail(fmt::format("the local header of record '{}' is damaged", name));
+  }
+  std::uint64_t name_len = le(bytes_, at + 26, 2);
+  std::uint64_t extra_len = le(bytes_, at + 28, 2);
+  std::uint64_t data = at + kLocalHeaderSize + name_len + extra_len;
+  if (data > directory_offset_ || r.size > directory_offset_ - data) {
+    fail(fmt::format("record '{}' ({} bytes) runs past the end of the data (truncated?)", name,
+                     r.size));
+  }
+  if (bytes_.substr(at + kLocalHeaderSize, name_len) != name) {
+    fail(fmt::format("the local header of record '{}' names another record", name));
+  }
+  std::string_view out = bytes_.substr(data, r.size);
+  // A zero CRC means the writer skipped it (recent PyTorch can be told to), not a check.
+  if (r.crc32 != 0 && crc32(out) != r.crc32) {
+    fail(fmt::format("record '{}' fails its CRC-32 check", name));
+  }
+  return out;
+}
+
+}  // namespace torchpoint::detail
