@@ -3,6 +3,7 @@
 #pragma once
 
 #include "torchpoint/accelerator.h"
+#include "torchpoint/callbacks.h"
 #include "torchpoint/checkpoint_dir.h"
 #include "torchpoint/data_loader.h"
 #include "torchpoint/data_position.h"
@@ -10,9 +11,11 @@
 #include "torchpoint/error.h"
 #include "torchpoint/grad_scaler.h"
 #include "torchpoint/interop.h"
+#include "torchpoint/learner.h"
 #include "torchpoint/lr_scheduler.h"
 #include "torchpoint/module_state.h"
 #include "torchpoint/optimizer_state.h"
+#include "torchpoint/records_plot.h"
 #include "torchpoint/rng_state.h"
 #include "torchpoint/state_dict.h"
 #include "torchpoint/stateful_set.h"

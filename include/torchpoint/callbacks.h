@@ -1,0 +1,136 @@
+// luz's checkpoint callbacks for Learner::fit, with luz's names and defaults: auto_resume,
+// model_checkpoint, resume_from_checkpoint, plus early_stopping and lr_scheduler, whose state
+// survives a resume.
+//
+// Each factory returns an options object; it converts to a CallbackPtr where fit() takes one,
+// and .build() makes the callback explicitly.
+//
+// Example:
+//   learner.fit(data, torchpoint::FitOptions().callbacks({
+//       torchpoint::callbacks::auto_resume(),                       // ./state.ckpt
+//       torchpoint::callbacks::model_checkpoint("checkpoints/").monitor("train_loss")}));
+#pragma once
+
+#include <torch/arg.h>
+
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <string>
+
+#include "torchpoint/learner.h"
+#include "torchpoint/lr_scheduler.h"
+
+namespace torchpoint {
+
+// "min": smaller is better; "max": larger is better.
+enum class Mode { kMin, kMax };
+
+namespace callbacks {
+
+// Saves the whole run to `path` at the end of every epoch (after every other callback's
+// on_epoch_end) and, with save_every_steps(n), after every n-th optimizer step. When a fit
+// starts and `path` exists, the run is restored from it (model, optimizer, data position,
+// records, counters, every callback's state, RNG) and continues exactly where it stopped:
+// finished epochs are not replayed. The file is deleted when the fit completes. A corrupt
+// file is an error, never silently ignored.
+struct AutoResumeOptions {
+  explicit AutoResumeOptions(std::string path = "./state.ckpt") : path_(std::move(path)) {}
+  TORCH_ARG(std::string, path);
+  TORCH_ARG(std::int64_t, save_every_steps) = 0;  // 0: only at epoch ends
+
+ public:
+  CallbackPtr build() const;
+  operator CallbackPtr() const { return build(); }  // NOLINT: implicit by design
+};
+inline AutoResumeOptions auto_resume(std::string path = "./state.ckpt") {
+  return AutoResumeOptions(std::move(path));
+}
+
+// Writes a learner checkpoint at the end of each epoch. `path` is a directory (ending in '/'
+// or existing), where files are named epoch-{epoch:02d}-{monitor}-{value:.3f}.ckpt, or a
+// file name template in fmt syntax using {epoch} and metric names
+// ("run-{epoch}-{valid_loss:.2f}.ckpt"). With save_best_only, only epochs whose monitored value
+// improves on the best so far by more than min_delta (in `mode`'s direction) are written. The best
+// value is part of the callback's state. A monitored metric that the fit does not record is an
+// InvalidArgument error at the start of the fit, naming the metrics that exist.
+struct ModelCheckpointOptions {
+  explicit ModelCheckpointOptions(std::string path) : path_(std::move(path)) {}
+  TORCH_ARG(std::string, path);
+  TORCH_ARG(std::string, monitor) = "valid_loss";
+  TORCH_ARG(bool, save_best_only) = false;
+  TORCH_ARG(Mode, mode) = Mode::kMin;
+  TORCH_ARG(double, min_delta) = 0.0;
+  // Names the callback's state in checkpoints; two in one fit need different names.
+  TORCH_ARG(std::string, name) = "model_checkpoint";
+
+ public:
+  CallbackPtr build() const;
+  operator CallbackPtr() const { return build(); }  // NOLINT: implicit by design
+};
+inline ModelCheckpointOptions model_checkpoint(std::string path) {
+  return ModelCheckpointOptions(std::move(path));
+}
+
+// At the start of the fit, loads a learner checkpoint: `path` is a file, or a directory whose
+// newest valid checkpoint (largest epoch number in the file name, never lexical order) is
+// used; invalid ones are skipped with a warning naming them. By default only the model
+// weights; restore_records also restores the epoch and step counters, so the fit continues
+// after the checkpoint's epoch. A missing path is a NotFound error.
+struct ResumeFromCheckpointOptions {
+  explicit ResumeFromCheckpointOptions(std::string path) : path_(std::move(path)) {}
+  TORCH_ARG(std::string, path);
+  TORCH_ARG(bool, restore_model_state) = true;
+  TORCH_ARG(bool, restore_records) = false;
+  TORCH_ARG(bool, restore_optimizer_state) = false;
+  TORCH_ARG(bool, restore_callbacks_state) = false;
+
+ public:
+  CallbackPtr build() const;
+  operator CallbackPtr() const { return build(); }  // NOLINT: implicit by design
+};
+inline ResumeFromCheckpointOptions resume_from_checkpoint(std::string path) {
+  return ResumeFromCheckpointOptions(std::move(path));
+}
+
+// Stops the fit when the monitored metric has not improved by more than min_delta for
+// `patience` epochs in a row (at the first such epoch when patience is 0). Its best value and
+// count are part of its state.
+struct EarlyStoppingOptions {
+  TORCH_ARG(std::string, monitor) = "valid_loss";
+  TORCH_ARG(std::int64_t, patience) = 0;
+  TORCH_ARG(Mode, mode) = Mode::kMin;
+  TORCH_ARG(double, min_delta) = 0.0;
+  // Names the callback's state in checkpoints; two in one fit need different names.
+  TORCH_ARG(std::string, name) = "early_stopping";
+
+ public:
+  CallbackPtr build() const;
+  operator CallbackPtr() const { return build(); }  // NOLINT: implicit by design
+};
+inline EarlyStoppingOptions early_stopping() { return EarlyStoppingOptions(); }
+
+// Creates an LR scheduler on the fit's optimizer at the start of the fit and steps it at the
+// end of every epoch (luz's default), or after every optimizer step with step_every_batch.
+// The scheduler's state is the callback's state.
+//
+// Example:
+//   torchpoint::callbacks::lr_scheduler([](torch::optim::Optimizer& opt) {
+//     return std::make_unique<torchpoint::StepLR>(opt, torchpoint::StepLROptions(2)); })
+struct LRSchedulerOptions {
+  using Factory = std::function<std::unique_ptr<LRScheduler>(torch::optim::Optimizer&)>;
+  explicit LRSchedulerOptions(Factory factory) : factory_(std::move(factory)) {}
+  TORCH_ARG(Factory, factory);
+  TORCH_ARG(bool, step_every_batch) = false;
+
+ public:
+  CallbackPtr build() const;
+  operator CallbackPtr() const { return build(); }  // NOLINT: implicit by design
+};
+inline LRSchedulerOptions lr_scheduler(LRSchedulerOptions::Factory factory) {
+  return LRSchedulerOptions(std::move(factory));
+}
+
+}  // namespace callbacks
+}  // namespace torchpoint

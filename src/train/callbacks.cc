@@ -1,0 +1,340 @@
+#include "torchpoint/callbacks.h"
+
+#include <fmt/args.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <optional>
+
+#include "io/filename.h"
+#include "torchpoint/error.h"
+
+namespace torchpoint::callbacks {
+namespace {
+
+// Callbacks that restore a whole run go after the others' on_fit_begin; auto_resume also saves
+// after the others' on_epoch_end.
+constexpr int kResumeFromCheckpointOrder = 900;
+constexpr int kAutoResumeOrder = 1000;
+
+const char* mode_name(Mode mode) { return mode == Mode::kMin ? "min" : "max"; }
+
+bool improves(double value, double best, Mode mode, double min_delta) {
+  if (std::isnan(value)) return false;
+  return mode == Mode::kMin ? value < best - min_delta : value > best + min_delta;
+}
+
+double worst(Mode mode) {
+  return mode == Mode::kMin ? std::numeric_limits<double>::infinity()
+                            : -std::numeric_limits<double>::infinity();
+}
+
+void check_monitor(const Context& ctx, const std::string& callback, const std::string& monitor) {
+  if (std::find(ctx.monitors.begin(), ctx.monitors.end(), monitor) != ctx.monitors.end()) return;
+  bool wants_valid = monitor.rfind("valid_", 0) == 0;
+  throw Error(ErrorCode::InvalidArgument,
+              fmt::format("{} monitors '{}', which this fit does not record; it records: {}{}",
+                          callback, monitor, fmt::join(ctx.monitors, ", "),
+                          wants_valid ? " (valid_* metrics need FitOptions::valid_data)"
+                                      : " (pass one of these as monitor)"));
+}
+
+// Creates `dir` and its missing parents; the new entries are made durable.
+void ensure_directory(Env& env, const std::string& dir) {
+  if (dir.empty() || env.stat(dir).is_directory) return;
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) {
+    throw Error(ErrorCode::IOError,
+                fmt::format("cannot create directory {}: {}; check the path and permissions", dir,
+                            ec.message()));
+  }
+  std::string parent = parent_path(dir);
+  env.sync_dir(parent.empty() ? "." : parent);
+}
+
+double metric_value(const Context& ctx, const std::string& monitor) {
+  auto it = ctx.metrics.find(monitor);
+  if (it == ctx.metrics.end()) {
+    throw Error(
+        ErrorCode::InvalidArgument,
+        fmt::format("the metric '{}' has no value at the end of epoch {}", monitor, ctx.epoch));
+  }
+  return it->second;
+}
+
+class AutoResume final : public Callback {
+ public:
+  explicit AutoResume(AutoResumeOptions options)
+      : Callback("auto_resume"), options_(std::move(options)) {
+    if (options_.path().empty() || options_.save_every_steps() < 0) {
+      throw Error(ErrorCode::InvalidArgument,
+                  "auto_resume needs a file path and save_every_steps >= 0");
+    }
+  }
+  int order() const override { return kAutoResumeOrder; }
+
+  void on_fit_begin(Context& ctx) override {
+    if (ctx.env->stat(options_.path()).exists) {
+      ctx.learner->restore_checkpoint(options_.path(), RestoreOptions(), ctx.env);
+    }
+  }
+  void on_train_batch_end(Context& ctx) override {
+    if (options_.save_every_steps() > 0 && ctx.step % options_.save_every_steps() == 0) {
+      save(ctx);
+    }
+  }
+  void on_epoch_end(Context& ctx) override { save(ctx); }
+  void on_fit_end(Context& ctx) override {
+    // The run is complete: as luz does, the next fit starts from scratch.
+    if (ctx.env->stat(options_.path()).exists) {
+      ctx.env->remove_file(options_.path());
+      std::string parent = parent_path(options_.path());
+      ctx.env->sync_dir(parent.empty() ? "." : parent);
+    }
+  }
+
+ private:
+  void save(Context& ctx) {
+    ensure_directory(*ctx.env, parent_path(options_.path()));
+    ctx.learner->save_checkpoint(options_.path(), ctx.env);
+  }
+  AutoResumeOptions options_;
+};
+
+class ModelCheckpoint final : public Callback {
+ public:
+  explicit ModelCheckpoint(ModelCheckpointOptions options)
+      : Callback(options.name()), options_(std::move(options)), best_(worst(options_.mode())) {
+    if (options_.path().empty()) {
+      throw Error(ErrorCode::InvalidArgument, "model_checkpoint needs a directory or file path");
+    }
+  }
+
+  void on_fit_begin(Context& ctx) override {
+    check_monitor(ctx, "model_checkpoint", options_.monitor());
+    const std::string& path = options_.path();
+    directory_ = path.back() == '/' || ctx.env->stat(path).is_directory;
+    if (directory_) ensure_directory(*ctx.env, path);
+  }
+
+  void on_epoch_end(Context& ctx) override {
+    double value = metric_value(ctx, options_.monitor());
+    bool better = improves(value, best_, options_.mode(), options_.min_delta());
+    if (better) best_ = value;
+    if (options_.save_best_only() && !better) return;
+    std::string path = file_for(ctx, value);
+    ensure_directory(*ctx.env, parent_path(path));
+    ctx.learner->save_checkpoint(path, ctx.env);
+  }
+
+  StateDict state_dict() const override {
+    StateDict s;
+    s.set_double("best", best_);
+    s.set("mode", mode_name(options_.mode()));
+    s.set("monitor", options_.monitor());
+    return s;
+  }
+  void load_state_dict(const StateDict& s) override {
+    if (s.get<std::string>("monitor") != options_.monitor() ||
+        s.get<std::string>("mode") != mode_name(options_.mode())) {
+      throw Error(ErrorCode::Incompatible,
+                  fmt::format("{}: the saved best value is for monitor '{}' mode {}, this "
+                              "callback monitors '{}' mode {}",
+                              name(), s.get<std::string>("monitor"), s.get<std::string>("mode"),
+                              options_.monitor(), mode_name(options_.mode())));
+    }
+    best_ = s.get_double("best");
+  }
+
+ private:
+  std::string file_for(const Context& ctx, double value) const {
+    if (directory_) {
+      return join_path(options_.path(), fmt::format("epoch-{:02d}-{}-{:.3f}.ckpt", ctx.epoch,
+                                                    options_.monitor(), value));
+    }
+    // A template: {epoch} and every metric of the epoch, by name.
+    fmt::dynamic_format_arg_store<fmt::format_context> args;
+    args.push_back(fmt::arg("epoch", ctx.epoch));
+    for (const auto& [name, v] : ctx.metrics) args.push_back(fmt::arg(name.c_str(), v));
+    try {
+      return fmt::vformat(options_.path(), args);
+    } catch (const fmt::format_error& e) {
+      std::vector<std::string> names = {"epoch"};
+      for (const auto& [name, v] : ctx.metrics) names.push_back(name);
+      throw Error(ErrorCode::InvalidArgument,
+                  fmt::format("model_checkpoint path template '{}' cannot be formatted ({}); it "
+                              "may use {{epoch}} and {}",
+                              options_.path(), e.what(), fmt::join(names, ", ")));
+    }
+  }
+
+  ModelCheckpointOptions options_;
+  double best_;
+  bool directory_ = false;
+};
+
+// The epoch number in a checkpoint file name: after "epoch-" or "epoch_" if present, else the
+// first number. Names without a number sort first.
+std::optional<std::uint64_t> epoch_number(const std::string& name) {
+  auto digit = [](char c) { return std::isdigit(static_cast<unsigned char>(c)) != 0; };
+  std::size_t start = name.find("epoch");
+  std::size_t from = start == std::string::npos ? 0 : start;
+  auto begin = std::find_if(name.begin() + static_cast<std::ptrdiff_t>(from), name.end(), digit);
+  if (begin == name.end()) return std::nullopt;
+  auto end = std::find_if_not(begin, name.end(), digit);
+  if (end - begin > 18) return std::nullopt;
+  return std::stoull(std::string(begin, end));
+}
+
+class ResumeFromCheckpoint final : public Callback {
+ public:
+  explicit ResumeFromCheckpoint(ResumeFromCheckpointOptions options)
+      : Callback("resume_from_checkpoint"), options_(std::move(options)) {}
+  int order() const override { return kResumeFromCheckpointOrder; }
+
+  void on_fit_begin(Context& ctx) override {
+    RestoreOptions what = RestoreOptions()
+                              .model(options_.restore_model_state())
+                              .optimizer(options_.restore_optimizer_state())
+                              .records(options_.restore_records())
+                              .callbacks(options_.restore_callbacks_state())
+                              .position(false);
+    const std::string& path = options_.path();
+    FileInfo info = ctx.env->stat(path);
+    if (!info.exists) {
+      throw Error(ErrorCode::NotFound,
+                  fmt::format("resume_from_checkpoint: {} does not exist; give a checkpoint file "
+                              "or a directory of them",
+                              path));
+    }
+    if (!info.is_directory) {
+      ctx.learner->restore_checkpoint(path, what, ctx.env);
+      return;
+    }
+    std::vector<std::pair<std::optional<std::uint64_t>, std::string>> candidates;
+    for (const std::string& name : ctx.env->list_dir(path)) {
+      if (name.empty() || name[0] == '.' || is_temp_name(name)) continue;
+      if (ctx.env->stat(join_path(path, name)).is_directory) continue;
+      candidates.emplace_back(epoch_number(name), name);
+    }
+    // Newest first: by epoch number as a number (never lexical order), then by name.
+    std::sort(candidates.begin(), candidates.end(),
+              [](const auto& a, const auto& b) { return a > b; });
+    for (const auto& [number, name] : candidates) {
+      std::string file = join_path(path, name);
+      try {
+        ctx.learner->restore_checkpoint(file, what, ctx.env);
+        return;
+      } catch (const Error& e) {
+        if (e.code() != ErrorCode::Corruption && e.code() != ErrorCode::NotFound) throw;
+        std::fprintf(stderr, "torchpoint: skipping invalid checkpoint %s: %s\n", file.c_str(),
+                     e.what());
+      }
+    }
+    throw Error(ErrorCode::NotFound,
+                fmt::format("resume_from_checkpoint: {} holds no valid checkpoint", path));
+  }
+
+ private:
+  ResumeFromCheckpointOptions options_;
+};
+
+class EarlyStopping final : public Callback {
+ public:
+  explicit EarlyStopping(EarlyStoppingOptions options)
+      : Callback(options.name()), options_(std::move(options)), best_(worst(options_.mode())) {
+    if (options_.patience() < 0) {
+      throw Error(ErrorCode::InvalidArgument, "early_stopping: patience must be >= 0");
+    }
+  }
+  void on_fit_begin(Context& ctx) override {
+    check_monitor(ctx, "early_stopping", options_.monitor());
+  }
+  void on_epoch_end(Context& ctx) override {
+    double value = metric_value(ctx, options_.monitor());
+    if (improves(value, best_, options_.mode(), options_.min_delta())) {
+      best_ = value;
+      wait_ = 0;
+      return;
+    }
+    ++wait_;
+    if (wait_ >= std::max<std::int64_t>(1, options_.patience())) {
+      stopped_epoch_ = ctx.epoch;
+      ctx.stop_training();
+    }
+  }
+  StateDict state_dict() const override {
+    StateDict s;
+    s.set_double("best", best_);
+    s.set("wait", wait_);
+    s.set("stopped_epoch", stopped_epoch_);
+    return s;
+  }
+  void load_state_dict(const StateDict& s) override {
+    double best = s.get_double("best");
+    auto wait = s.get<std::int64_t>("wait");
+    auto stopped = s.get<std::int64_t>("stopped_epoch");
+    best_ = best;
+    wait_ = wait;
+    stopped_epoch_ = stopped;
+  }
+
+ private:
+  EarlyStoppingOptions options_;
+  double best_;
+  std::int64_t wait_ = 0;
+  std::int64_t stopped_epoch_ = 0;
+};
+
+class LRSchedulerCallback final : public Callback {
+ public:
+  explicit LRSchedulerCallback(LRSchedulerOptions options)
+      : Callback("lr_scheduler"), options_(std::move(options)) {
+    if (!options_.factory()) {
+      throw Error(ErrorCode::InvalidArgument, "lr_scheduler needs a scheduler factory");
+    }
+  }
+  void on_fit_begin(Context& ctx) override { scheduler_ = options_.factory()(*ctx.optimizer); }
+  void on_train_batch_end(Context&) override {
+    if (options_.step_every_batch()) scheduler_->step();
+  }
+  void on_epoch_end(Context&) override {
+    if (!options_.step_every_batch()) scheduler_->step();
+  }
+  StateDict state_dict() const override {
+    return scheduler_ ? scheduler_->state_dict() : StateDict();
+  }
+  void load_state_dict(const StateDict& s) override {
+    if (!scheduler_) {
+      throw Error(ErrorCode::InvalidArgument,
+                  "lr_scheduler: its state can only be restored during a fit");
+    }
+    scheduler_->load_state_dict(s);
+  }
+  LRScheduler* scheduler() const { return scheduler_.get(); }
+
+ private:
+  LRSchedulerOptions options_;
+  std::unique_ptr<LRScheduler> scheduler_;
+};
+
+}  // namespace
+
+CallbackPtr AutoResumeOptions::build() const { return std::make_shared<AutoResume>(*this); }
+CallbackPtr ModelCheckpointOptions::build() const {
+  return std::make_shared<ModelCheckpoint>(*this);
+}
+CallbackPtr ResumeFromCheckpointOptions::build() const {
+  return std::make_shared<ResumeFromCheckpoint>(*this);
+}
+CallbackPtr EarlyStoppingOptions::build() const { return std::make_shared<EarlyStopping>(*this); }
+CallbackPtr LRSchedulerOptions::build() const {
+  return std::make_shared<LRSchedulerCallback>(*this);
+}
+
+}  // namespace torchpoint::callbacks

@@ -1,0 +1,46 @@
+// The state of one Learner::fit call, shared by the training loop (learner.cc) and the
+// checkpoint code (learner_checkpoint.cc).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "torchpoint/data_position.h"
+#include "torchpoint/learner.h"
+
+namespace torchpoint::detail {
+
+// A float64 running sum for one monitored value of the current epoch. Saved exactly, so an
+// epoch resumed mid-way ends with the same mean.
+struct Accumulator {
+  double sum = 0;
+  std::int64_t count = 0;
+  double mean() const { return count == 0 ? 0.0 : sum / static_cast<double>(count); }
+};
+
+struct FitRun {
+  Learner* learner = nullptr;
+  const FitData* data = nullptr;
+  const FitOptions* options = nullptr;
+  Env* env = nullptr;
+  ResumableSampler sampler;
+  std::vector<CallbackPtr> callbacks;  // in call order
+  std::vector<Metric> metrics;
+  std::vector<std::string> monitors;            // every monitor name this fit records
+  std::map<std::string, Accumulator> progress;  // by monitor name, for the running epoch
+  // The epoch after counters.epoch was started before a restore: continue it, do not replay
+  // its on_epoch_begin / on_train_begin.
+  bool mid_epoch = false;
+  std::optional<std::int64_t> resumed_after_epoch;
+  Context ctx;
+
+  FitRun(std::size_t size, bool shuffle, std::uint64_t seed) : sampler(size, shuffle, seed) {}
+
+  // Runs `hook` of every callback in order; see Callback for how exceptions are reported.
+  void each(const char* name, void (Callback::*hook)(Context&));
+};
+
+}  // namespace torchpoint::detail

@@ -1,0 +1,416 @@
+#include "torchpoint/learner.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/index_select.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/tensor.h>
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <exception>
+#include <iostream>
+#include <mutex>
+#include <set>
+
+#include "torchpoint/error.h"
+#include "train/fit_run.h"
+#include "train/progress.h"
+
+namespace torchpoint {
+namespace detail {
+
+at::Tensor stack_samples(const std::vector<at::Tensor>& samples) { return at::stack(samples); }
+
+void FitRun::each(const char* name, void (Callback::*hook)(Context&)) {
+  for (const CallbackPtr& callback : callbacks) {
+    try {
+      ((*callback).*hook)(ctx);
+    } catch (const Error&) {
+      throw;  // already says what, where and why
+    } catch (const CallbackError&) {
+      throw;
+    } catch (const std::exception& e) {
+      std::throw_with_nested(CallbackError(callback->name(), name, ctx.epoch, e.what()));
+    }
+  }
+}
+
+}  // namespace detail
+
+namespace {
+
+bool valid_name(const std::string& name) {
+  if (name.empty()) return false;
+  return std::all_of(name.begin(), name.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '_';
+  });
+}
+
+std::uint64_t draw_seed() {
+  at::Generator generator = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  return generator.get<at::CPUGeneratorImpl>()->random64();
+}
+
+at::Tensor index_tensor(const std::vector<std::size_t>& indices) {
+  std::vector<std::int64_t> values(indices.begin(), indices.end());
+  return at::tensor(values, at::kLong);
+}
+
+// Adds a batch's per-element values to a float64 running sum (the element order is fixed, so
+// the sum is the same in every run).
+void accumulate(detail::Accumulator& acc, const at::Tensor& values) {
+  at::Tensor v = values.detach().to(at::kDouble).reshape({-1});
+  acc.sum += v.sum().item<double>();
+  acc.count += v.numel();
+}
+
+std::vector<std::size_t> sequential(std::size_t begin, std::size_t end) {
+  std::vector<std::size_t> out;
+  out.reserve(end - begin);
+  for (std::size_t i = begin; i < end; ++i) out.push_back(i);
+  return out;
+}
+
+}  // namespace
+
+FitData::FitData(at::Tensor x, at::Tensor y) {
+  if (!x.defined() || !y.defined() || x.dim() == 0 || y.dim() == 0) {
+    throw Error(ErrorCode::InvalidArgument,
+                "FitData needs two defined tensors with at least one dimension, indexed by "
+                "sample along the first");
+  }
+  if (x.size(0) != y.size(0)) {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("FitData: x has {} samples but y has {}: both must have the same "
+                            "first dimension",
+                            x.size(0), y.size(0)));
+  }
+  size_ = static_cast<std::size_t>(x.size(0));
+  get_ = [x, y](const std::vector<std::size_t>& indices) {
+    at::Tensor index = index_tensor(indices);
+    return std::make_pair(x.index_select(0, index), y.index_select(0, index));
+  };
+}
+
+Metric::Metric(std::string name, Fn per_element)
+    : name_(std::move(name)), fn_(std::move(per_element)) {
+  if (!valid_name(name_) || name_ == "loss") {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("metric name '{}' is not usable: use letters, digits and '_', and "
+                            "not 'loss' (the loss is always recorded)",
+                            name_));
+  }
+  if (!fn_)
+    throw Error(ErrorCode::InvalidArgument, fmt::format("metric '{}' has no function", name_));
+}
+
+namespace metrics {
+Metric mae() {
+  return Metric("mae", [](const at::Tensor& p, const at::Tensor& t) { return (p - t).abs(); });
+}
+Metric mse() {
+  return Metric("mse", [](const at::Tensor& p, const at::Tensor& t) {
+    at::Tensor d = p - t;
+    return d * d;
+  });
+}
+Metric binary_accuracy(double threshold) {
+  return Metric("binary_accuracy", [threshold](const at::Tensor& p, const at::Tensor& t) {
+    return (p > threshold).eq(t > 0.5).to(at::kDouble);
+  });
+}
+}  // namespace metrics
+
+CallbackError::CallbackError(std::string callback, std::string hook, std::int64_t epoch,
+                             const std::string& cause)
+    : std::runtime_error(
+          fmt::format("error in callback '{}' at {} (epoch {}): {}", callback, hook, epoch, cause)),
+      callback_(std::move(callback)),
+      hook_(std::move(hook)),
+      epoch_(epoch) {}
+
+void Learner::init(std::shared_ptr<torch::nn::Module> model, Forward forward,
+                   std::shared_ptr<torch::optim::Optimizer> optimizer, Loss loss) {
+  if (!model || !optimizer || !forward || !loss) {
+    throw Error(ErrorCode::InvalidArgument, "Learner needs a model, an optimizer and a loss");
+  }
+  model_ = std::move(model);
+  forward_ = std::move(forward);
+  optimizer_ = std::move(optimizer);
+  loss_ = std::move(loss);
+}
+
+Learner::~Learner() = default;
+
+at::Tensor Learner::predict(const at::Tensor& x) {
+  bool was_training = model_->is_training();
+  model_->eval();
+  at::Tensor out;
+  {
+    at::NoGradGuard no_grad;
+    out = forward_(x);
+  }
+  model_->train(was_training);
+  return out;
+}
+
+std::map<std::string, double> Learner::evaluate(const FitData& data, std::int64_t batch_size,
+                                                const std::vector<Metric>& metrics) {
+  if (batch_size <= 0) {
+    throw Error(ErrorCode::InvalidArgument, "evaluate: batch_size must be positive");
+  }
+  bool was_training = model_->is_training();
+  model_->eval();
+  at::NoGradGuard no_grad;
+  std::map<std::string, detail::Accumulator> acc;
+  auto step = static_cast<std::size_t>(batch_size);
+  for (std::size_t begin = 0; begin < data.size(); begin += step) {
+    auto [x, y] = data.batch(sequential(begin, std::min(data.size(), begin + step)));
+    at::Tensor pred = forward_(x);
+    auto n = x.size(0);
+    acc["valid_loss"].sum += loss_(pred, y).item<double>() * static_cast<double>(n);
+    acc["valid_loss"].count += n;
+    for (const Metric& m : metrics) accumulate(acc["valid_" + m.name()], m.values(pred, y));
+  }
+  model_->train(was_training);
+  std::map<std::string, double> out;
+  for (const auto& [name, a] : acc) out[name] = a.mean();
+  return out;
+}
+
+FitResult Learner::fit(const FitData& data, const FitOptions& options) {
+  if (run_ != nullptr) {
+    throw Error(ErrorCode::InvalidArgument, "fit() was called from inside a running fit()");
+  }
+  if (options.epochs() < 0 || options.batch_size() <= 0) {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("fit: epochs must be >= 0 and batch_size > 0 (got {} and {})",
+                            options.epochs(), options.batch_size()));
+  }
+  if (data.size() == 0) throw Error(ErrorCode::InvalidArgument, "fit: the training data is empty");
+
+  detail::FitRun run(data.size(), options.shuffle(),
+                     options.seed() ? *options.seed() : draw_seed());
+  run.learner = this;
+  run.data = &data;
+  run.options = &options;
+  run.env = options.env() != nullptr ? options.env() : &Env::posix();
+
+  std::set<std::string> names;
+  for (const CallbackPtr& callback : options.callbacks()) {
+    if (!callback) throw Error(ErrorCode::InvalidArgument, "fit: a callback is null");
+    if (!names.insert(callback->name()).second) {
+      throw Error(ErrorCode::InvalidArgument,
+                  fmt::format("fit: two callbacks are named '{}'; names identify their state in "
+                              "checkpoints and must differ",
+                              callback->name()));
+    }
+    run.callbacks.push_back(callback);
+  }
+  std::stable_sort(
+      run.callbacks.begin(), run.callbacks.end(),
+      [](const CallbackPtr& a, const CallbackPtr& b) { return a->order() < b->order(); });
+
+  run.metrics = options.metrics();
+  const FitData* valid = options.valid_data() ? &*options.valid_data() : nullptr;
+  for (const char* set : {"train", "valid"}) {
+    if (std::string(set) == "valid" && valid == nullptr) continue;
+    std::set<std::string> seen;
+    run.monitors.push_back(std::string(set) + "_loss");
+    for (const Metric& m : run.metrics) {
+      if (!seen.insert(m.name()).second) {
+        throw Error(ErrorCode::InvalidArgument,
+                    fmt::format("fit: two metrics are named '{}'", m.name()));
+      }
+      run.monitors.push_back(std::string(set) + "_" + m.name());
+    }
+  }
+
+  records_ = MetricRecords();
+  counters_ = TrainingCounters();
+  run_ = &run;
+  struct Reset {
+    Learner* self;
+    ~Reset() { self->run_ = nullptr; }
+  } reset{this};
+
+  auto batch_size = static_cast<std::size_t>(options.batch_size());
+  Context& ctx = run.ctx;
+  ctx.learner = this;
+  ctx.model = model_.get();
+  ctx.optimizer = optimizer_.get();
+  ctx.options = &options;
+  ctx.records = &records_;
+  ctx.env = run.env;
+  ctx.epochs = options.epochs();
+  ctx.monitors = run.monitors;
+  ctx.batches_per_epoch = static_cast<std::int64_t>((data.size() + batch_size - 1) / batch_size);
+
+  std::ostream* out = nullptr;
+  bool terminal = false;
+  if (options.verbose()) {
+    out = options.output() != nullptr ? options.output() : &std::cout;
+    terminal = out == &std::cout && ::isatty(STDOUT_FILENO) == 1;
+  }
+  detail::Progress progress(out, terminal);
+
+  run.each("on_fit_begin", &Callback::on_fit_begin);
+  if (run.resumed_after_epoch) {
+    progress.message(fmt::format(
+        "Resuming after epoch {} (step {}{})", *run.resumed_after_epoch, counters_.step,
+        run.mid_epoch
+            ? fmt::format(", batch {} of epoch {}", counters_.batch_in_epoch, counters_.epoch + 1)
+            : ""));
+  }
+
+  while (!ctx.stop_requested && counters_.epoch < options.epochs()) {
+    ctx.epoch = counters_.epoch + 1;
+    ctx.step = counters_.step;
+    bool continuing = run.mid_epoch;
+    run.mid_epoch = false;
+    ctx.set = "train";
+    if (!continuing) {
+      run.progress.clear();
+      counters_.batch_in_epoch = 0;
+      ctx.metrics.clear();
+      run.sampler.set_epoch(ctx.epoch - 1);
+      run.each("on_epoch_begin", &Callback::on_epoch_begin);
+      run.each("on_train_begin", &Callback::on_train_begin);
+    }
+    progress.epoch_begin(ctx.epoch, options.epochs(), ctx.batches_per_epoch);
+    model_->train();
+    run.sampler.reset();
+    while (auto indices = run.sampler.next(batch_size)) {
+      auto [x, y] = data.batch(*indices);
+      ctx.batch = counters_.batch_in_epoch + 1;
+      ctx.input = x;
+      ctx.target = y;
+      ctx.pred = at::Tensor();
+      ctx.loss = at::Tensor();
+      run.each("on_train_batch_begin", &Callback::on_train_batch_begin);
+      optimizer_->zero_grad();
+      ctx.pred = forward_(ctx.input);
+      run.each("on_train_batch_after_pred", &Callback::on_train_batch_after_pred);
+      ctx.loss = loss_(ctx.pred, ctx.target);
+      run.each("on_train_batch_after_loss", &Callback::on_train_batch_after_loss);
+      run.each("on_train_batch_before_backward", &Callback::on_train_batch_before_backward);
+      ctx.loss.backward();
+      run.each("on_train_batch_before_step", &Callback::on_train_batch_before_step);
+      optimizer_->step();
+      ++counters_.step;
+      ctx.step = counters_.step;
+      run.each("on_train_batch_after_step", &Callback::on_train_batch_after_step);
+      {
+        at::NoGradGuard no_grad;
+        auto n = static_cast<std::int64_t>(indices->size());
+        detail::Accumulator& loss = run.progress["train_loss"];
+        loss.sum += ctx.loss.item<double>() * static_cast<double>(n);
+        loss.count += n;
+        for (const Metric& m : run.metrics) {
+          accumulate(run.progress["train_" + m.name()], m.values(ctx.pred, ctx.target));
+        }
+      }
+      // The batch counts as consumed before on_train_batch_end, where a checkpoint may be
+      // taken: a run resumed from it must continue with the next batch.
+      run.sampler.consume(indices->size());
+      ++counters_.batch_in_epoch;
+      counters_.samples_seen += static_cast<std::int64_t>(indices->size());
+      progress.batch(counters_.batch_in_epoch, run.progress["train_loss"].mean());
+      run.each("on_train_batch_end", &Callback::on_train_batch_end);
+    }
+    for (const std::string& name : run.monitors) {
+      if (name.rfind("train_", 0) != 0) continue;
+      double value = run.progress[name].mean();
+      ctx.metrics[name] = value;
+      records_.record("train", name.substr(6), value);
+    }
+    run.each("on_train_end", &Callback::on_train_end);
+
+    if (valid != nullptr) {
+      ctx.set = "valid";
+      model_->eval();
+      at::NoGradGuard no_grad;
+      run.each("on_valid_begin", &Callback::on_valid_begin);
+      std::int64_t batch = 0;
+      for (std::size_t begin = 0; begin < valid->size(); begin += batch_size) {
+        auto [x, y] = valid->batch(sequential(begin, std::min(valid->size(), begin + batch_size)));
+        ctx.batch = ++batch;
+        ctx.input = x;
+        ctx.target = y;
+        run.each("on_valid_batch_begin", &Callback::on_valid_batch_begin);
+        ctx.pred = forward_(ctx.input);
+        run.each("on_valid_batch_after_pred", &Callback::on_valid_batch_after_pred);
+        ctx.loss = loss_(ctx.pred, ctx.target);
+        run.each("on_valid_batch_after_loss", &Callback::on_valid_batch_after_loss);
+        auto n = x.size(0);
+        detail::Accumulator& loss = run.progress["valid_loss"];
+        loss.sum += ctx.loss.item<double>() * static_cast<double>(n);
+        loss.count += n;
+        for (const Metric& m : run.metrics) {
+          accumulate(run.progress["valid_" + m.name()], m.values(ctx.pred, ctx.target));
+        }
+        run.each("on_valid_batch_end", &Callback::on_valid_batch_end);
+      }
+      for (const std::string& name : run.monitors) {
+        if (name.rfind("valid_", 0) != 0) continue;
+        double value = run.progress[name].mean();
+        ctx.metrics[name] = value;
+        records_.record("valid", name.substr(6), value);
+      }
+      run.each("on_valid_end", &Callback::on_valid_end);
+      model_->train();
+    }
+
+    // The epoch is finished before on_epoch_end: a checkpoint taken there resumes with the
+    // next epoch.
+    ++counters_.epoch;
+    counters_.batch_in_epoch = 0;
+    ctx.set.clear();
+    ctx.batch = 0;
+    run.each("on_epoch_end", &Callback::on_epoch_end);
+    progress.epoch_end(ctx.metrics);
+  }
+  run.each("on_fit_end", &Callback::on_fit_end);
+
+  FitResult result;
+  result.records = records_;
+  result.epochs_completed = counters_.epoch;
+  result.steps = counters_.step;
+  result.stopped_early = ctx.stop_requested && counters_.epoch < options.epochs();
+  result.resumed_after_epoch = run.resumed_after_epoch;
+  return result;
+}
+
+std::string FitResult::table() const {
+  auto series = records.series();
+  std::size_t rows = 0;
+  std::vector<std::string> headers = {"epoch"};
+  for (const auto& [set, metric] : series) {
+    headers.push_back(set + "_" + metric);
+    rows = std::max(rows, records.values(set, metric).size());
+  }
+  std::vector<std::size_t> widths;
+  for (const std::string& h : headers) widths.push_back(std::max<std::size_t>(h.size(), 10));
+  std::string out;
+  for (std::size_t c = 0; c < headers.size(); ++c) {
+    out += fmt::format("{}{:>{}}", c == 0 ? "" : "  ", headers[c], widths[c]);
+  }
+  out += '\n';
+  for (std::size_t r = 0; r < rows; ++r) {
+    out += fmt::format("{:>{}}", r + 1, widths[0]);
+    for (std::size_t c = 0; c < series.size(); ++c) {
+      const auto& values = records.values(series[c].first, series[c].second);
+      std::string cell = r < values.size() ? fmt::format("{:.6f}", values[r]) : "";
+      out += fmt::format("  {:>{}}", cell, widths[c + 1]);
+    }
+    out += '\n';
+  }
+  return out;
+}
+
+}  // namespace torchpoint

@@ -1,0 +1,728 @@
+// Learner::fit and luz's checkpoint callbacks: the seed's three scenarios, every callback
+// option, callback state across resumes, the hook order, errors, progress output and plots.
+#include <unistd.h>
+
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "testing/test_util.h"
+#include "tests/learner_job.h"
+#include "torchpoint/module_state.h"
+#include "torchpoint/optimizer_state.h"
+#include "torchpoint/records_plot.h"
+#include "torchpoint/tensor_file.h"
+
+namespace torchpoint {
+namespace {
+
+using testing::expect_error;
+using testing::Interrupt;
+using testing::LossTally;
+using testing::TempDir;
+
+FitOptions quiet(std::int64_t epochs = 10) { return FitOptions().epochs(epochs).verbose(false); }
+
+// Every parameter and buffer of both models has the same bytes.
+void expect_same_weights(Learner& a, Learner& b) {
+  auto pa = a.model().named_parameters(), pb = b.model().named_parameters();
+  ASSERT_EQ(pa.size(), pb.size());
+  for (const auto& item : pa) {
+    EXPECT_TRUE(testing::bitwise_equal(item.value(), pb[item.key()])) << item.key();
+  }
+}
+
+bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
+
+void expect_same_records(const MetricRecords& a, const MetricRecords& b) {
+  ASSERT_EQ(a.series(), b.series());
+  for (const auto& [set, metric] : a.series()) {
+    const auto& va = a.values(set, metric);
+    const auto& vb = b.values(set, metric);
+    ASSERT_EQ(va.size(), vb.size()) << set << " " << metric;
+    for (std::size_t i = 0; i < va.size(); ++i) {
+      EXPECT_TRUE(same_bits(va[i], vb[i]))
+          << set << " " << metric << " epoch " << i + 1 << ": " << va[i] << " vs " << vb[i];
+    }
+  }
+}
+
+StateDict read_state(const std::string& path) { return StateDict::from_container(load_file(path)); }
+
+// Records the epochs it sees and the hooks it is called at.
+struct Probe : Callback {
+  explicit Probe(int order_value = 0) : Callback("probe"), order_(order_value) {}
+  int order() const override { return order_; }
+  std::vector<std::int64_t> epochs;
+  std::vector<std::string> hooks;
+  std::function<void(Context&)> at_fit_begin;
+  void on_fit_begin(Context& ctx) override {
+    hooks.push_back("fit_begin");
+    if (at_fit_begin) at_fit_begin(ctx);
+  }
+  void on_epoch_begin(Context& ctx) override {
+    epochs.push_back(ctx.epoch);
+    hooks.push_back("epoch_begin");
+  }
+  void on_train_begin(Context&) override { hooks.push_back("train_begin"); }
+  void on_train_batch_begin(Context&) override { hooks.push_back("train_batch_begin"); }
+  void on_train_batch_after_pred(Context&) override { hooks.push_back("train_after_pred"); }
+  void on_train_batch_after_loss(Context&) override { hooks.push_back("train_after_loss"); }
+  void on_train_batch_before_backward(Context&) override { hooks.push_back("before_backward"); }
+  void on_train_batch_before_step(Context&) override { hooks.push_back("before_step"); }
+  void on_train_batch_after_step(Context&) override { hooks.push_back("after_step"); }
+  void on_train_batch_end(Context&) override { hooks.push_back("train_batch_end"); }
+  void on_train_end(Context&) override { hooks.push_back("train_end"); }
+  void on_valid_begin(Context&) override { hooks.push_back("valid_begin"); }
+  void on_valid_batch_begin(Context&) override { hooks.push_back("valid_batch_begin"); }
+  void on_valid_batch_after_pred(Context&) override { hooks.push_back("valid_after_pred"); }
+  void on_valid_batch_after_loss(Context&) override { hooks.push_back("valid_after_loss"); }
+  void on_valid_batch_end(Context&) override { hooks.push_back("valid_batch_end"); }
+  void on_valid_end(Context&) override { hooks.push_back("valid_end"); }
+  void on_epoch_end(Context&) override { hooks.push_back("epoch_end"); }
+  void on_fit_end(Context&) override { hooks.push_back("fit_end"); }
+
+ private:
+  int order_;
+};
+
+// The seed's first scenario, as a test: an interrupt at the end of epoch 5, a rerun of the
+// same fit, and records and weights bit-identical to a fit that was never interrupted.
+TEST(Learner, SeedAutoResumeInterruptAtEpochFiveRerunFinishesBitIdentically) {
+  auto data = testing::seed_data();
+  auto reference = testing::linear_learner();
+  torch::manual_seed(42);
+  FitResult expected = reference->fit({data.x, data.y}, quiet());
+  ASSERT_EQ(expected.records.values("train", "loss").size(), 10u);
+
+  TempDir dir;
+  std::string state = dir / "state.ckpt";
+  auto interrupt = std::make_shared<Interrupt>();
+  auto first = testing::linear_learner();
+  torch::manual_seed(42);
+  try {
+    first->fit({data.x, data.y}, quiet().callbacks({interrupt, callbacks::auto_resume(state)}));
+    FAIL() << "the interrupt callback must stop the first fit";
+  } catch (const CallbackError& e) {
+    EXPECT_EQ(e.callback(), "interrupt");
+    EXPECT_EQ(e.hook(), "on_epoch_end");
+    EXPECT_EQ(e.epoch(), 5);
+    EXPECT_NE(std::string(e.what()).find("Error on epoch 5"), std::string::npos) << e.what();
+  }
+  ASSERT_TRUE(Env::posix().stat(state).exists);
+
+  // The rerun: a new process would build a new model (other initial weights here, and other
+  // global RNG state) and call the same fit.
+  auto probe = std::make_shared<Probe>();
+  auto second = testing::linear_learner(/*init_seed=*/99);
+  torch::manual_seed(7);
+  FitResult result = second->fit(
+      {data.x, data.y}, quiet().callbacks({interrupt, callbacks::auto_resume(state), probe}));
+  EXPECT_EQ(result.resumed_after_epoch, std::optional<std::int64_t>(4));
+  EXPECT_EQ(probe->epochs, (std::vector<std::int64_t>{5, 6, 7, 8, 9, 10}))
+      << "finished epochs must not be replayed and ctx.epoch must continue (luz#136)";
+  EXPECT_EQ(result.epochs_completed, 10);
+  expect_same_records(result.records, expected.records);
+  expect_same_weights(*second, *reference);
+  EXPECT_FALSE(Env::posix().stat(state).exists) << "a completed fit deletes its state file";
+}
+
+// Everything that carries state at once, interrupted mid-epoch with step-level saves: Dropout
+// (RNG), Adam, an LR scheduler, validation data with a metric, model_checkpoint's best value,
+// early stopping's counters and a custom callback's state.
+TEST(Learner, MidEpochAutoResumeWithEveryKindOfStateIsBitIdentical) {
+  auto data = testing::seed_data();
+  auto valid = testing::seed_data(200);
+  TempDir dir;
+  auto run = [&](Learner& learner, const std::string& ckpts, std::vector<CallbackPtr> extra,
+                 std::shared_ptr<LossTally> tally) {
+    std::vector<CallbackPtr> cbs = {callbacks::lr_scheduler([](torch::optim::Optimizer& opt) {
+                                      return std::make_unique<StepLR>(opt,
+                                                                      StepLROptions(2).gamma(0.5));
+                                    }),
+                                    callbacks::model_checkpoint(ckpts).save_best_only(true),
+                                    callbacks::early_stopping().patience(100), tally};
+    cbs.insert(cbs.end(), extra.begin(), extra.end());
+    return learner.fit(
+        {data.x, data.y},
+        quiet(6).valid_data({valid.x, valid.y}).metrics({metrics::mae()}).callbacks(cbs));
+  };
+
+  auto reference = testing::dropout_learner();
+  torch::manual_seed(5);
+  auto reference_tally = std::make_shared<LossTally>();
+  FitResult expected = run(*reference, dir / "ref-ckpts/", {}, reference_tally);
+
+  struct StopAt : Callback {
+    StopAt() : Callback("stop_at") {}
+    bool fired = false;
+    void on_train_batch_end(Context& ctx) override {
+      if (!fired && ctx.epoch == 3 && ctx.batch == 17) {
+        fired = true;
+        throw std::runtime_error("killed mid-epoch");
+      }
+    }
+  };
+  auto stop = std::make_shared<StopAt>();
+  std::string state = dir / "state.ckpt";
+  auto first = testing::dropout_learner();
+  torch::manual_seed(5);
+  EXPECT_THROW(
+      run(*first, dir / "ckpts/", {stop, callbacks::auto_resume(state).save_every_steps(5)},
+          std::make_shared<LossTally>()),
+      CallbackError);
+
+  auto second = testing::dropout_learner(/*init_seed=*/1234);
+  torch::manual_seed(99);
+  auto tally = std::make_shared<LossTally>();
+  FitResult result = run(*second, dir / "ckpts/",
+                         {stop, callbacks::auto_resume(state).save_every_steps(5)}, tally);
+  EXPECT_EQ(result.resumed_after_epoch, std::optional<std::int64_t>(2));
+  expect_same_records(result.records, expected.records);
+  expect_same_weights(*second, *reference);
+  EXPECT_TRUE(same_bits(tally->sum, reference_tally->sum));
+  EXPECT_EQ(tally->batches, reference_tally->batches);
+  EXPECT_EQ(result.steps, expected.steps);
+  EXPECT_EQ(second->optimizer().param_groups()[0].options().get_lr(),
+            reference->optimizer().param_groups()[0].options().get_lr());
+  EXPECT_EQ(testing::list_sorted(dir / "ckpts"), testing::list_sorted(dir / "ref-ckpts"));
+}
+
+TEST(Learner, ModelCheckpointBestValueSurvivesAutoResume) {
+  // mode max on a falling loss: only epoch 1 is ever "best". Had the best value been lost in
+  // the resume, epoch 5 would be written too.
+  auto data = testing::seed_data();
+  TempDir dir;
+  auto interrupt = std::make_shared<Interrupt>(5);
+  auto options = [&] {
+    return quiet(8).callbacks({interrupt,
+                               callbacks::model_checkpoint(dir / "ckpts/")
+                                   .monitor("train_loss")
+                                   .mode(Mode::kMax)
+                                   .save_best_only(true),
+                               callbacks::auto_resume(dir / "state.ckpt")});
+  };
+  EXPECT_THROW(testing::linear_learner()->fit({data.x, data.y}, options()), CallbackError);
+  testing::linear_learner()->fit({data.x, data.y}, options());
+  auto files = testing::list_sorted(dir / "ckpts");
+  ASSERT_EQ(files.size(), 1u) << fmt::format("{}", fmt::join(files, " "));
+  EXPECT_EQ(files[0].rfind("epoch-01-train_loss-", 0), 0u) << files[0];
+}
+
+TEST(Learner, EarlyStoppingPatienceSurvivesAutoResume) {
+  // mode max on a falling loss never improves after epoch 1: with patience 2 the fit stops at
+  // epoch 3. The interrupt at epoch 2 must not reset the count.
+  auto data = testing::seed_data();
+  TempDir dir;
+  auto interrupt = std::make_shared<Interrupt>(2);
+  auto options = [&] {
+    return quiet(10).callbacks(
+        {interrupt, callbacks::early_stopping().monitor("train_loss").mode(Mode::kMax).patience(2),
+         callbacks::auto_resume(dir / "state.ckpt")});
+  };
+  EXPECT_THROW(testing::linear_learner()->fit({data.x, data.y}, options()), CallbackError);
+  FitResult result = testing::linear_learner()->fit({data.x, data.y}, options());
+  EXPECT_TRUE(result.stopped_early);
+  EXPECT_EQ(result.epochs_completed, 3);
+}
+
+TEST(Learner, SeedModelCheckpointWritesOneFilePerEpochNamedByTheMonitoredLoss) {
+  auto data = testing::seed_data();
+  TempDir dir;
+  auto learner = testing::linear_learner();
+  FitResult result = learner->fit(
+      {data.x, data.y},
+      quiet().callbacks({callbacks::model_checkpoint(dir / "checkpoints/").monitor("train_loss")}));
+  std::vector<std::string> expected;
+  const auto& losses = result.records.values("train", "loss");
+  for (std::size_t i = 0; i < losses.size(); ++i) {
+    expected.push_back(fmt::format("epoch-{:02d}-train_loss-{:.3f}.ckpt", i + 1, losses[i]));
+  }
+  EXPECT_EQ(testing::list_sorted(dir / "checkpoints"), expected);
+  // Each file is a full learner checkpoint of its epoch.
+  StateDict third = read_state(dir / "checkpoints" + "/" + expected[2]);
+  EXPECT_EQ(third.get<std::int64_t>("counters.epoch"), 3);
+  EXPECT_EQ(third.value("learner.metrics")["train_loss"].get<double>(), losses[2]);
+}
+
+TEST(Learner, ModelCheckpointTemplateAndSaveBestOnlyMinDelta) {
+  auto data = testing::seed_data();
+  TempDir dir;
+  FitResult result = testing::linear_learner()->fit(
+      {data.x, data.y},
+      quiet(6).callbacks({callbacks::model_checkpoint(dir / "run-{epoch}-{train_loss:.2f}.ckpt")
+                              .monitor("train_loss")
+                              .save_best_only(true)
+                              .min_delta(0.01)}));
+  // Expected: the epochs whose loss beats the best so far by more than 0.01.
+  std::vector<std::string> expected;
+  double best = std::numeric_limits<double>::infinity();
+  const auto& losses = result.records.values("train", "loss");
+  for (std::size_t i = 0; i < losses.size(); ++i) {
+    if (losses[i] < best - 0.01) {
+      best = losses[i];
+      expected.push_back(fmt::format("run-{}-{:.2f}.ckpt", i + 1, losses[i]));
+    }
+  }
+  ASSERT_LT(expected.size(), losses.size()) << "the data must exercise min_delta";
+  std::vector<std::string> got;
+  for (const std::string& name : testing::list_sorted(dir.path())) {
+    if (name.rfind("run-", 0) == 0) got.push_back(name);
+  }
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(got, expected);
+}
+
+TEST(Learner, MonitoringAMetricThatDoesNotExistIsAClearError) {
+  auto data = testing::seed_data();
+  TempDir dir;
+  auto learner = testing::linear_learner();
+  expect_error(
+      [&] {
+        learner->fit({data.x, data.y},
+                     quiet().callbacks({callbacks::model_checkpoint(dir / "c/")}));  // valid_loss
+      },
+      ErrorCode::InvalidArgument,
+      {"monitors 'valid_loss'", "it records: train_loss", "valid_data"});
+  expect_error(
+      [&] {
+        learner->fit({data.x, data.y},
+                     quiet()
+                         .metrics({metrics::mae()})
+                         .callbacks({callbacks::early_stopping().monitor("train_acc")}));
+      },
+      ErrorCode::InvalidArgument, {"'train_acc'", "train_loss, train_mae"});
+  expect_error(
+      [&] {
+        learner->fit(
+            {data.x, data.y},
+            quiet(1).callbacks(
+                {callbacks::model_checkpoint(dir / "x-{nope}.ckpt").monitor("train_loss")}));
+      },
+      ErrorCode::InvalidArgument, {"x-{nope}.ckpt", "{epoch}", "train_loss"});
+}
+
+TEST(Learner, SeedLoadCheckpointReplacesTheWeightsOfAFittedLearner) {
+  auto data = testing::seed_data();
+  TempDir dir;
+  auto learner = testing::linear_learner();
+  learner->fit(
+      {data.x, data.y},
+      quiet(3).callbacks({callbacks::model_checkpoint(dir / "ck/").monitor("train_loss")}));
+  std::string first = dir / "ck" + "/" + testing::list_sorted(dir / "ck").front();
+  StateDict saved = read_state(first);
+  ASSERT_FALSE(testing::bitwise_equal(learner->model().named_parameters()["weight"],
+                                      saved.tensor("model.weight")));
+  load_checkpoint(*learner, first);
+  EXPECT_TRUE(testing::bitwise_equal(learner->model().named_parameters()["weight"],
+                                     saved.tensor("model.weight")));
+  EXPECT_TRUE(testing::bitwise_equal(learner->model().named_parameters()["bias"],
+                                     saved.tensor("model.bias")));
+  // predict() now uses those weights.
+  at::Tensor expected = torch::addmm(saved.tensor("model.bias"), data.x.slice(0, 0, 4),
+                                     saved.tensor("model.weight").t());
+  EXPECT_TRUE(torch::allclose(learner->predict(data.x.slice(0, 0, 4)), expected));
+}
+
+TEST(Learner, LoadCheckpointErrorsChangeNothing) {
+  auto data = testing::seed_data();
+  TempDir dir;
+  auto learner = testing::linear_learner();
+  learner->fit(
+      {data.x, data.y},
+      quiet(1).callbacks({callbacks::model_checkpoint(dir / "ck/").monitor("train_loss")}));
+  std::string file = dir / "ck" + "/" + testing::list_sorted(dir / "ck").front();
+
+  torch::manual_seed(3);
+  Learner wide(torch::nn::Linear(10, 2),
+               make_optimizer<torch::optim::SGD>(torch::optim::SGDOptions(0.1)), torch::mse_loss);
+  at::Tensor before = wide.model().named_parameters()["weight"].clone();
+  expect_error([&] { load_checkpoint(wide, file); }, ErrorCode::Incompatible,
+               {"size mismatch for weight: checkpoint [1, 10], model [2, 10]"});
+  EXPECT_TRUE(testing::bitwise_equal(wide.model().named_parameters()["weight"], before));
+
+  expect_error([&] { load_checkpoint(wide, dir / "missing.ckpt"); }, ErrorCode::NotFound,
+               {"missing.ckpt"});
+  save_file(dir / "plain.safetensors", {{{"w", torch::ones({2})}}, {}});
+  expect_error([&] { load_checkpoint(wide, dir / "plain.safetensors"); }, ErrorCode::Incompatible,
+               {"not a learner checkpoint"});
+  testing::flip_bit(file, testing::file_size(file) - 3, 1);
+  expect_error([&] { load_checkpoint(*learner, file); }, ErrorCode::Corruption, {file});
+}
+
+// Fits 3 epochs with Adam, early stopping and model_checkpoint, for the resume tests.
+struct Saved {
+  TempDir dir;
+  std::string ckpts;
+  std::string last;
+  StateDict last_state;
+  Saved() {
+    auto data = testing::seed_data();
+    auto learner = testing::dropout_learner();
+    ckpts = dir / "ckpts";
+    learner->fit({data.x, data.y},
+                 quiet(3).callbacks({callbacks::model_checkpoint(ckpts + "/").monitor("train_loss"),
+                                     callbacks::early_stopping().monitor("train_loss")}));
+    last = ckpts + "/" + testing::list_sorted(ckpts).back();
+    last_state = read_state(last);
+  }
+};
+
+// A copy whose tensors no longer share memory with the model or optimizer.
+StateDict copy_of(const StateDict& state) {
+  StateDict out;
+  for (const auto& [key, value] : state.entries()) {
+    if (std::holds_alternative<at::Tensor>(value)) {
+      out.set(key, std::get<at::Tensor>(value).clone());
+    } else {
+      out.set(key, std::get<Json>(value));
+    }
+  }
+  return out;
+}
+
+// What a fit sees right after resume_from_checkpoint ran (a probe that runs after it).
+struct AfterResume {
+  StateDict model, optimizer;
+  MetricRecords records;
+  std::int64_t epochs_done = 0;
+  std::shared_ptr<Probe> probe() {
+    auto p = std::make_shared<Probe>(/*order=*/950);
+    p->at_fit_begin = [this](Context& ctx) {
+      model = copy_of(module_state_dict(*ctx.model));
+      optimizer = copy_of(optimizer_state_dict(*ctx.optimizer));
+      records = *ctx.records;
+      epochs_done = ctx.learner->counters().epoch;
+    };
+    return p;
+  }
+};
+
+bool model_matches(const StateDict& model, const StateDict& file) {
+  for (const std::string& key : model.keys()) {
+    if (!testing::bitwise_equal(model.tensor(key), file.tensor("model." + key))) return false;
+  }
+  return true;
+}
+
+TEST(Learner, SeedResumeFromCheckpointRestoresOnlyTheModelByDefault) {
+  Saved saved;
+  auto data = testing::seed_data();
+  AfterResume seen;
+  auto learner = testing::dropout_learner(77);
+  FitResult result = learner->fit(
+      {data.x, data.y},
+      quiet(2).callbacks({callbacks::resume_from_checkpoint(saved.ckpts), seen.probe()}));
+  EXPECT_TRUE(model_matches(seen.model, saved.last_state)) << "newest checkpoint's weights";
+  EXPECT_FALSE(seen.optimizer.contains("state.0.0.exp_avg")) << "optimizer state not restored";
+  EXPECT_TRUE(seen.records.empty());
+  EXPECT_EQ(seen.epochs_done, 0);
+  EXPECT_EQ(result.records.values("train", "loss").size(), 2u);
+}
+
+TEST(Learner, ResumeFromCheckpointRestoreRecordsContinuesAfterTheSavedEpoch) {
+  Saved saved;
+  auto data = testing::seed_data();
+  AfterResume seen;
+  FitResult result = testing::dropout_learner(77)->fit(
+      {data.x, data.y},
+      quiet(5).callbacks(
+          {callbacks::resume_from_checkpoint(saved.last).restore_records(true), seen.probe()}));
+  EXPECT_EQ(seen.epochs_done, 3);
+  EXPECT_EQ(result.resumed_after_epoch, std::optional<std::int64_t>(3));
+  MetricRecords saved_records;
+  saved_records.load_state_dict(saved.last_state.child("records"));
+  expect_same_records(seen.records, saved_records);
+  ASSERT_EQ(result.records.values("train", "loss").size(), 5u);
+  EXPECT_TRUE(same_bits(result.records.values("train", "loss")[2],
+                        saved_records.values("train", "loss")[2]));
+  EXPECT_FALSE(seen.optimizer.contains("state.0.0.exp_avg"));
+}
+
+TEST(Learner, ResumeFromCheckpointRestoreOptimizerState) {
+  Saved saved;
+  auto data = testing::seed_data();
+  AfterResume seen;
+  testing::dropout_learner(77)->fit(
+      {data.x, data.y},
+      quiet(1).callbacks(
+          {callbacks::resume_from_checkpoint(saved.last).restore_optimizer_state(true),
+           seen.probe()}));
+  StateDict file_optimizer = saved.last_state.child("optimizer");
+  ASSERT_TRUE(seen.optimizer.contains("state.0.0.exp_avg"));
+  for (const std::string& key : file_optimizer.keys()) {
+    if (file_optimizer.is_tensor(key)) {
+      EXPECT_TRUE(testing::bitwise_equal(seen.optimizer.tensor(key), file_optimizer.tensor(key)))
+          << key;
+    }
+  }
+  EXPECT_TRUE(seen.records.empty());
+}
+
+TEST(Learner, ResumeFromCheckpointRestoreCallbacksState) {
+  Saved saved;
+  auto data = testing::seed_data();
+  CallbackPtr stopping = callbacks::early_stopping().monitor("train_loss").build();
+  CallbackPtr checkpoint =
+      callbacks::model_checkpoint(saved.dir / "more/").monitor("train_loss").build();
+  StateDict restored;
+  auto probe = std::make_shared<Probe>(950);
+  probe->at_fit_begin = [&](Context&) { restored = stopping->state_dict(); };
+  testing::dropout_learner(77)->fit(
+      {data.x, data.y},
+      quiet(1).callbacks(
+          {callbacks::resume_from_checkpoint(saved.last).restore_callbacks_state(true), stopping,
+           checkpoint, probe}));
+  EXPECT_EQ(restored.get_double("best"),
+            saved.last_state.get_double("callbacks.state.early_stopping.best"));
+  EXPECT_TRUE(std::isfinite(restored.get_double("best")));
+
+  // Without the flag the callback keeps its fresh state.
+  CallbackPtr fresh = callbacks::early_stopping().monitor("train_loss").build();
+  probe->at_fit_begin = [&](Context&) { restored = fresh->state_dict(); };
+  testing::dropout_learner(77)->fit(
+      {data.x, data.y},
+      quiet(1).callbacks({callbacks::resume_from_checkpoint(saved.last), fresh, probe}));
+  EXPECT_TRUE(std::isinf(restored.get_double("best")));
+
+  // A saved callback state with no callback to take it is refused, not dropped.
+  expect_error(
+      [&] {
+        testing::dropout_learner(77)->fit(
+            {data.x, data.y},
+            quiet(1).callbacks(
+                {callbacks::resume_from_checkpoint(saved.last).restore_callbacks_state(true)}));
+      },
+      ErrorCode::Incompatible, {"model_checkpoint", "early_stopping", "no callback of that name"});
+}
+
+TEST(Learner, ResumeFromDirectoryTakesTheLargestEpochNumberAndSkipsCorruptOnes) {
+  auto data = testing::seed_data();
+  TempDir dir;
+  std::string ckpts = dir / "numbered";
+  testing::linear_learner()->fit(
+      {data.x, data.y},
+      quiet(10).callbacks(
+          {callbacks::model_checkpoint(ckpts + "/epoch-{epoch}.ckpt").monitor("train_loss")}));
+  // Lexical order would take epoch-9.ckpt; the newest is epoch-10.ckpt.
+  AfterResume seen;
+  testing::linear_learner(5)->fit(
+      {data.x, data.y},
+      quiet(1).callbacks({callbacks::resume_from_checkpoint(ckpts), seen.probe()}));
+  EXPECT_TRUE(model_matches(seen.model, read_state(ckpts + "/epoch-10.ckpt")));
+
+  testing::flip_bit(ckpts + "/epoch-10.ckpt", 200, 0);
+  ::testing::internal::CaptureStderr();
+  testing::linear_learner(5)->fit(
+      {data.x, data.y},
+      quiet(1).callbacks({callbacks::resume_from_checkpoint(ckpts), seen.probe()}));
+  std::string warnings = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(warnings.find("skipping invalid checkpoint " + ckpts + "/epoch-10.ckpt"),
+            std::string::npos)
+      << warnings;
+  EXPECT_TRUE(model_matches(seen.model, read_state(ckpts + "/epoch-9.ckpt")));
+
+  expect_error(
+      [&] {
+        testing::linear_learner()->fit(
+            {data.x, data.y},
+            quiet(1).callbacks({callbacks::resume_from_checkpoint(dir / "nowhere")}));
+      },
+      ErrorCode::NotFound, {"nowhere", "does not exist"});
+}
+
+TEST(Learner, CallbackHooksRunInLuzOrder) {
+  auto x = torch::randn({4, 10}), y = torch::randn({4, 1});
+  auto probe = std::make_shared<Probe>();
+  testing::linear_learner()->fit(
+      {x, y},
+      quiet(1).batch_size(2).valid_data({x.slice(0, 0, 2), y.slice(0, 0, 2)}).callbacks({probe}));
+  std::vector<std::string> batch = {"train_batch_begin", "train_after_pred", "train_after_loss",
+                                    "before_backward",   "before_step",      "after_step",
+                                    "train_batch_end"};
+  std::vector<std::string> expected = {"fit_begin", "epoch_begin", "train_begin"};
+  expected.insert(expected.end(), batch.begin(), batch.end());
+  expected.insert(expected.end(), batch.begin(), batch.end());
+  for (const char* h :
+       {"train_end", "valid_begin", "valid_batch_begin", "valid_after_pred", "valid_after_loss",
+        "valid_batch_end", "valid_end", "epoch_end", "fit_end"}) {
+    expected.push_back(h);
+  }
+  EXPECT_EQ(probe->hooks, expected);
+}
+
+TEST(Learner, CallbackErrorsNameTheCallbackAndTorchpointErrorsPassThrough) {
+  auto data = testing::seed_data(64);
+  struct Thrower : Callback {
+    Thrower() : Callback("thrower") {}
+    void on_train_batch_before_step(Context& ctx) override {
+      if (ctx.epoch == 2) throw std::logic_error("bad gradient");
+    }
+  };
+  try {
+    testing::linear_learner()->fit({data.x, data.y},
+                                   quiet(3).callbacks({std::make_shared<Thrower>()}));
+    FAIL();
+  } catch (const CallbackError& e) {
+    EXPECT_STREQ(e.what(),
+                 "error in callback 'thrower' at on_train_batch_before_step (epoch 2): bad "
+                 "gradient");
+    try {
+      std::rethrow_if_nested(e);
+      FAIL() << "the original exception is nested";
+    } catch (const std::logic_error& original) {
+      EXPECT_STREQ(original.what(), "bad gradient");
+    }
+  }
+  struct Refuser : Callback {
+    Refuser() : Callback("refuser") {}
+    void on_fit_begin(Context&) override { throw Error(ErrorCode::Locked, "held elsewhere"); }
+  };
+  expect_error(
+      [&] {
+        testing::linear_learner()->fit({data.x, data.y},
+                                       quiet(1).callbacks({std::make_shared<Refuser>()}));
+      },
+      ErrorCode::Locked, {"held elsewhere"});
+  expect_error(
+      [&] {
+        testing::linear_learner()->fit(
+            {data.x, data.y},
+            quiet(1).callbacks({std::make_shared<Refuser>(), std::make_shared<Refuser>()}));
+      },
+      ErrorCode::InvalidArgument, {"two callbacks are named 'refuser'"});
+}
+
+TEST(Learner, AutoResumeRefusesAStateFileOfAnotherModelAndChangesNothing) {
+  auto data = testing::seed_data(64);
+  TempDir dir;
+  std::string state = dir / "state.ckpt";
+  auto interrupt = std::make_shared<Interrupt>(1);
+  EXPECT_THROW(
+      testing::linear_learner()->fit(
+          {data.x, data.y}, quiet(2).callbacks({interrupt, callbacks::auto_resume(state)})),
+      CallbackError);
+  // Epoch 1 was interrupted before auto_resume saved: no file yet. Save one at step 1.
+  auto stop = std::make_shared<Interrupt>(1);
+  EXPECT_THROW(testing::linear_learner()->fit(
+                   {data.x, data.y},
+                   quiet(2).callbacks({stop, callbacks::auto_resume(state).save_every_steps(1)})),
+               CallbackError);
+  ASSERT_TRUE(Env::posix().stat(state).exists);
+  auto other = testing::dropout_learner();
+  at::Tensor before = other->model().parameters()[0].clone();
+  expect_error(
+      [&] {
+        other->fit({data.x, data.y}, quiet(2).callbacks({callbacks::auto_resume(state)}));
+      },
+      ErrorCode::Incompatible, {"model"});
+  EXPECT_TRUE(testing::bitwise_equal(other->model().parameters()[0], before));
+  EXPECT_TRUE(Env::posix().stat(state).exists) << "a refused state file is kept";
+}
+
+TEST(Learner, ProgressIsPlainLinesOffATerminalAndNothingWhenQuiet) {
+  auto data = testing::seed_data(64);
+  std::ostringstream out;
+  testing::linear_learner()->fit(
+      {data.x, data.y},
+      FitOptions().epochs(2).output(&out).valid_data({data.x, data.y}).metrics({metrics::mae()}));
+  std::string text = out.str();
+  EXPECT_NE(text.find("Epoch 1/2 train_loss: "), std::string::npos) << text;
+  EXPECT_NE(text.find("train_mae: "), std::string::npos) << text;
+  EXPECT_NE(text.find("valid_loss: "), std::string::npos) << text;
+  EXPECT_NE(text.find("Epoch 2/2"), std::string::npos) << text;
+  EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), 2) << text;
+  EXPECT_EQ(text.find('\r'), std::string::npos) << "no redrawing off a terminal";
+
+  std::ostringstream silent;
+  testing::linear_learner()->fit({data.x, data.y}, quiet(2).output(&silent));
+  EXPECT_TRUE(silent.str().empty());
+}
+
+TEST(Learner, ResultTableAndPlots) {
+  auto data = testing::seed_data(64);
+  TempDir dir;
+  FitResult result =
+      testing::linear_learner()->fit({data.x, data.y}, quiet(3).valid_data({data.x, data.y}));
+  std::string table = result.table();
+  EXPECT_EQ(table.rfind("     epoch  train_loss  valid_loss\n", 0), 0u) << table;
+  EXPECT_EQ(std::count(table.begin(), table.end(), '\n'), 4);
+  EXPECT_NE(table.find(fmt::format("{:.6f}", result.records.values("valid", "loss")[2])),
+            std::string::npos);
+
+  result.plot(dir / "curves.svg");
+  std::string svg = testing::read_bytes(dir / "curves.svg");
+  EXPECT_NE(svg.find("<svg"), std::string::npos);
+  EXPECT_NE(svg.find("data-set=\"valid\" data-metric=\"loss\""), std::string::npos);
+
+  result.plot(dir / "curves.png");
+  // Python's zlib and struct check the PNG's chunks, checksums and pixel data.
+  std::string script = fmt::format(
+      "import struct,zlib,sys\n"
+      "d=open('{}','rb').read()\n"
+      "assert d[:8]==b'\\x89PNG\\r\\n\\x1a\\n'\n"
+      "p=8;idat=b''\n"
+      "while p<len(d):\n"
+      "  n,=struct.unpack('>I',d[p:p+4]);t=d[p+4:p+8];b=d[p+8:p+8+n]\n"
+      "  c,=struct.unpack('>I',d[p+8+n:p+12+n]);assert zlib.crc32(t+b)==c,t\n"
+      "  if t==b'IHDR': w,h=struct.unpack('>II',b[:8])\n"
+      "  if t==b'IDAT': idat+=b\n"
+      "  p+=12+n\n"
+      "raw=zlib.decompress(idat);assert len(raw)==h*(w*3+1),len(raw)\n"
+      "assert len(set(raw[1:w*3*h:3]))>3\n"
+      "print(w,h)\n",
+      dir / "curves.png");
+  testing::write_bytes(dir / "check.py", script);
+  FILE* pipe = ::popen(("/usr/bin/python3 " + (dir / "check.py") + " 2>&1").c_str(), "r");
+  ASSERT_NE(pipe, nullptr);
+  char buffer[256] = {};
+  std::string output;
+  while (std::fgets(buffer, sizeof buffer, pipe)) output += buffer;
+  EXPECT_EQ(::pclose(pipe), 0) << output;
+  EXPECT_EQ(output, "760 440\n");
+
+  expect_error([&] { result.plot(dir / "curves.jpg"); }, ErrorCode::InvalidArgument,
+               {".svg or .png"});
+}
+
+// A map-style LibTorch dataset over the same tensors.
+struct PairDataset : torch::data::datasets::Dataset<PairDataset> {
+  PairDataset(torch::Tensor x_, torch::Tensor y_) : x(std::move(x_)), y(std::move(y_)) {}
+  torch::Tensor x, y;
+  torch::data::Example<> get(std::size_t i) override {
+    return {x[static_cast<std::int64_t>(i)], y[static_cast<std::int64_t>(i)]};
+  }
+  torch::optional<std::size_t> size() const override { return static_cast<std::size_t>(x.size(0)); }
+};
+
+TEST(Learner, ADatasetAndTheSameTensorsTrainIdentically) {
+  auto data = testing::seed_data(200);
+  auto from_tensors = testing::linear_learner();
+  FitResult a = from_tensors->fit({data.x, data.y}, quiet(2).seed(11));
+  auto from_dataset = testing::linear_learner();
+  FitResult b = from_dataset->fit(PairDataset(data.x, data.y), quiet(2).seed(11));
+  expect_same_records(a.records, b.records);
+  expect_same_weights(*from_tensors, *from_dataset);
+  // Another seed gives another order, so the comparison above can fail.
+  auto other = testing::linear_learner();
+  FitResult c = other->fit({data.x, data.y}, quiet(2).seed(12));
+  EXPECT_FALSE(
+      same_bits(a.records.values("train", "loss")[1], c.records.values("train", "loss")[1]));
+}
+
+TEST(Learner, FitDataChecksItsTensors) {
+  expect_error(
+      [] {
+        FitData(torch::zeros({3, 2}), torch::zeros({4, 1}));
+      },
+      ErrorCode::InvalidArgument, {"x has 3 samples but y has 4"});
+  auto learner = testing::linear_learner();
+  expect_error(
+      [&] {
+        learner->fit({torch::zeros({4, 10}), torch::zeros({4, 1})}, quiet().batch_size(0));
+      },
+      ErrorCode::InvalidArgument, {"batch_size"});
+}
+
+}  // namespace
+}  // namespace torchpoint
