@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <array>
+#include <bit>
+#include <cstring>
 #include <utility>
 
 #include "torchpoint/error.h"
@@ -31,22 +33,43 @@ std::uint64_t le(std::string_view b, std::uint64_t at, int n) {
   return v;
 }
 
-constexpr std::array<std::uint32_t, 256> make_crc_table() {
-  std::array<std::uint32_t, 256> table{};
+// Tables for CRC-32 eight bytes at a time ("slicing by 8"): table k advances a byte's
+// contribution by k more bytes. About four times faster than a byte at a time, which matters
+// since every byte of a checkpoint passes through here.
+using CrcTables = std::array<std::array<std::uint32_t, 256>, 8>;
+constexpr CrcTables make_crc_tables() {
+  CrcTables t{};
   for (std::uint32_t i = 0; i < 256; ++i) {
     std::uint32_t c = i;
     for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xedb88320u ^ (c >> 1) : c >> 1;
-    table[i] = c;
+    t[0][i] = c;
   }
-  return table;
+  for (std::size_t k = 1; k < 8; ++k) {
+    for (std::size_t i = 0; i < 256; ++i) t[k][i] = (t[k - 1][i] >> 8) ^ t[0][t[k - 1][i] & 0xff];
+  }
+  return t;
 }
-constexpr auto kCrcTable = make_crc_table();
+constexpr CrcTables kCrc = make_crc_tables();
 
 }  // namespace
 
 std::uint32_t crc32(std::string_view data) {
   std::uint32_t c = 0xffffffffu;
-  for (char ch : data) c = kCrcTable[(c ^ static_cast<std::uint8_t>(ch)) & 0xff] ^ (c >> 8);
+  const char* p = data.data();
+  std::size_t n = data.size();
+  auto u32 = [](const char* q) {  // little-endian
+    std::uint32_t v;
+    std::memcpy(&v, q, 4);
+    if constexpr (std::endian::native == std::endian::big) v = __builtin_bswap32(v);
+    return v;
+  };
+  for (; n >= 8; p += 8, n -= 8) {
+    std::uint32_t lo = c ^ u32(p), hi = u32(p + 4);
+    c = kCrc[7][lo & 0xff] ^ kCrc[6][(lo >> 8) & 0xff] ^ kCrc[5][(lo >> 16) & 0xff] ^
+        kCrc[4][lo >> 24] ^ kCrc[3][hi & 0xff] ^ kCrc[2][(hi >> 8) & 0xff] ^
+        kCrc[1][(hi >> 16) & 0xff] ^ kCrc[0][hi >> 24];
+  }
+  for (; n > 0; ++p, --n) c = kCrc[0][(c ^ static_cast<std::uint8_t>(*p)) & 0xff] ^ (c >> 8);
   return c ^ 0xffffffffu;
 }
 
