@@ -145,6 +145,13 @@ TEST_F(FromPython, BatchNormStateDictLoadsBitForBitWithViewsAndSharedStorage) {
   }
 }
 
+TEST_F(FromPython, ParametersSavedDirectlyLoadAsTensors) {
+  // torch.save({"w": nn.Parameter(...)}) rebuilds through torch._utils._rebuild_parameter.
+  StateDict sd = load_torch_state_dict(path("parameter.pt"));
+  ASSERT_EQ(sd.keys(), std::vector<std::string>{"w"});
+  EXPECT_TRUE(testing::bitwise_equal(sd.tensor("w"), at::arange(6, at::kFloat).reshape({2, 3})));
+}
+
 TEST_F(FromPython, EveryDtypeLoadsBitForBit) {
   StateDict sd = load_torch_state_dict(path("buffers.pt"));
   expect_python_tensors(sd, "buffers");
@@ -194,9 +201,11 @@ TEST_F(FromPython, HostileFilesAreClearErrors) {
                         ErrorCode::Unsupported, {path("unknown_global.pt"), "posix.system"});
   testing::expect_error([&] { load_torch_state_dict(path("not_tensor.pt")); },
                         ErrorCode::Incompatible,
-                        {path("not_tensor.pt"), "'step' is a int, not a tensor"});
+                        {path("not_tensor.pt"), "'step' is of type int, not a tensor"});
   testing::expect_error([&] { load_torch_state_dict(path("a_list.pt")); }, ErrorCode::Incompatible,
-                        {path("a_list.pt"), "holds a list, not a state dict"});
+                        {path("a_list.pt"), "holds an object of type list, not a state dict"});
+  testing::expect_error([&] { load_torch_state_dict(path("legacy.pt")); }, ErrorCode::Unsupported,
+                        {path("legacy.pt"), "before PyTorch 1.6"});
   // A flipped bit in a storage's bytes: the record's CRC-32 catches it.
   std::string flipped = bytes;
   flipped[record_data(bytes, "bn/data/1") + 5] ^= 0x10;

@@ -81,7 +81,7 @@ class Unpickler {
     const Dict* dict = as<Dict>(top);
     if (dict == nullptr) {
       throw Error(ErrorCode::Incompatible,
-                  fmt::format("{} holds a {}, not a state dict; save it with "
+                  fmt::format("{} holds an object of type {}, not a state dict; save it with "
                               "torch.save(model.state_dict(), path)",
                               where_, kind(top)));
     }
@@ -90,16 +90,17 @@ class Unpickler {
     for (const auto& [key, value] : dict->entries) {
       const Str* name = as<Str>(key);
       if (name == nullptr) {
-        throw Error(
-            ErrorCode::Incompatible,
-            fmt::format("{}: a key of the state dict is a {}, not a string", where_, kind(key)));
+        throw Error(ErrorCode::Incompatible,
+                    fmt::format("{}: a key of the state dict is of type {}, not a string", where_,
+                                kind(key)));
       }
       const Tensor* tensor = as<Tensor>(value);
       if (tensor == nullptr) {
-        throw Error(ErrorCode::Incompatible,
-                    fmt::format("{}: '{}' is a {}, not a tensor; only tensors can be loaded into "
-                                "a module",
-                                where_, name->text, kind(value)));
+        throw Error(
+            ErrorCode::Incompatible,
+            fmt::format("{}: '{}' is of type {}, not a tensor; only tensors can be loaded into "
+                        "a module",
+                        where_, name->text, kind(value)));
       }
       out.emplace_back(name->text, tensor->tensor);
     }

@@ -26,6 +26,8 @@ OUT_DIR/past_end.pt        0.bias's storage offset 5 raised to 250 (the storage 
 OUT_DIR/unknown_global.pt  torch.save({"w": tensor, "run": os.system})
 OUT_DIR/not_tensor.pt      torch.save({"w": tensor, "step": 3})
 OUT_DIR/a_list.pt          torch.save([tensor])
+OUT_DIR/legacy.pt          torch.save(..., _use_new_zipfile_serialization=False): the pre-1.6 format
+OUT_DIR/parameter.pt       torch.save({"w": nn.Parameter(arange(6).reshape(2, 3))})
 """
 import collections
 import json
@@ -167,6 +169,9 @@ def main():
     torch.save({"w": w, "run": os.system}, os.path.join(out, "unknown_global.pt"))
     torch.save({"w": w, "step": 3}, os.path.join(out, "not_tensor.pt"))
     torch.save([w], os.path.join(out, "a_list.pt"))
+    torch.save(bn, os.path.join(out, "legacy.pt"), _use_new_zipfile_serialization=False)
+    param = torch.nn.Parameter(torch.arange(6.0).reshape(2, 3))
+    torch.save({"w": param}, os.path.join(out, "parameter.pt"))
 
 
 if __name__ == "__main__":
