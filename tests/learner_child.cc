@@ -1,0 +1,123 @@
+// Child of learner_crash_test: fits the shared Learner job in DIR with auto_resume (saving at
+// epoch ends and every 10 steps), and kills itself with SIGKILL at the point KILL names:
+//   none              run to the end
+//   batch:E:B         after batch B of epoch E (after any save of that step)
+//   before_save:E     at the end of epoch E, before auto_resume saves it
+//   after_save:E      at the end of epoch E, after auto_resume saved it
+//   op:N              before the N-th file-system call of this process (inside some save)
+// Appends "step <n> <loss bits hex>" per step and "resumed" to LOG; at the end writes
+// DIR/final.ckpt (model, optimizer, counters, records) and appends "ops <file-system calls>"
+// and "done".
+#include <signal.h>
+#include <unistd.h>
+
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "testing/fault_env.h"
+#include "tests/learner_job.h"
+
+namespace tp = torchpoint;
+
+namespace {
+
+void log_line(const std::string& path, const std::string& line) {
+  // One write per line, appended: a SIGKILL can cut the run but never a line in half.
+  FILE* f = std::fopen(path.c_str(), "a");
+  std::fputs((line + "\n").c_str(), f);
+  std::fclose(f);
+}
+
+// Runs `action` at one hook, at a chosen place in the callback order.
+struct At : tp::Callback {
+  At(std::string name, int order_value) : Callback(std::move(name)), order_(order_value) {}
+  int order() const override { return order_; }
+  std::function<void(tp::Context&)> fit_begin, after_loss, batch_end, epoch_end;
+  void on_fit_begin(tp::Context& ctx) override {
+    if (fit_begin) fit_begin(ctx);
+  }
+  void on_train_batch_after_loss(tp::Context& ctx) override {
+    if (after_loss) after_loss(ctx);
+  }
+  void on_train_batch_end(tp::Context& ctx) override {
+    if (batch_end) batch_end(ctx);
+  }
+  void on_epoch_end(tp::Context& ctx) override {
+    if (epoch_end) epoch_end(ctx);
+  }
+
+ private:
+  int order_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 4) {
+    std::fprintf(stderr, "usage: learner_child DIR LOG KILL\n");
+    return 2;
+  }
+  const std::string dir = argv[1], log = argv[2], kill = argv[3];
+  long kill_epoch = -1, kill_batch = -1, kill_before = -1, kill_after = -1, kill_op = -1;
+  std::sscanf(kill.c_str(), "batch:%ld:%ld", &kill_epoch, &kill_batch);
+  std::sscanf(kill.c_str(), "before_save:%ld", &kill_before);
+  std::sscanf(kill.c_str(), "after_save:%ld", &kill_after);
+  std::sscanf(kill.c_str(), "op:%ld", &kill_op);
+
+  tp::testing::FaultEnv env;
+  long ops = 0;
+  env.set_before_op([&](tp::testing::Op, const std::string&) {
+    if (++ops == kill_op) ::raise(SIGKILL);
+  });
+
+  // Early in the order: sees every step's loss and whether the fit was resumed.
+  auto early = std::make_shared<At>("log", 0);
+  early->after_loss = [&](tp::Context& ctx) {
+    float loss = ctx.loss.item<float>();
+    std::uint32_t bits;
+    std::memcpy(&bits, &loss, sizeof bits);
+    char line[64];
+    std::snprintf(line, sizeof line, "step %" PRId64 " %08x", ctx.step + 1, bits);
+    log_line(log, line);
+  };
+  early->epoch_end = [&](tp::Context& ctx) {
+    if (ctx.epoch == kill_before) ::raise(SIGKILL);
+  };
+  // After auto_resume in the order: its restore and its saves have happened.
+  auto late = std::make_shared<At>("kill", 2000);
+  late->fit_begin = [&](tp::Context& ctx) {
+    if (ctx.learner->counters().step > 0) log_line(log, "resumed");
+  };
+  late->batch_end = [&](tp::Context& ctx) {
+    if (ctx.epoch == kill_epoch && ctx.batch == kill_batch) ::raise(SIGKILL);
+  };
+  late->epoch_end = [&](tp::Context& ctx) {
+    if (ctx.epoch == kill_after) ::raise(SIGKILL);
+  };
+
+  auto data = tp::testing::seed_data();
+  auto valid = tp::testing::seed_data(200);
+  auto learner = tp::testing::dropout_learner();
+  torch::manual_seed(5);
+  learner->fit(
+      {data.x, data.y},
+      tp::FitOptions()
+          .epochs(6)
+          .verbose(false)
+          .env(&env)
+          .valid_data({valid.x, valid.y})
+          .metrics({tp::metrics::mae()})
+          .callbacks({early, tp::callbacks::lr_scheduler([](torch::optim::Optimizer& opt) {
+                        return std::make_unique<tp::StepLR>(opt, tp::StepLROptions(2).gamma(0.5));
+                      }),
+                      tp::callbacks::model_checkpoint(dir + "/ckpts/").save_best_only(true),
+                      tp::callbacks::early_stopping().patience(100),
+                      std::make_shared<tp::testing::LossTally>(),
+                      tp::callbacks::auto_resume(dir + "/state.ckpt").save_every_steps(10), late}));
+  learner->save_checkpoint(dir + "/final.ckpt");
+  log_line(log, "ops " + std::to_string(ops));
+  log_line(log, "done");
+  return 0;
+}
