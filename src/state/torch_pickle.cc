@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 
 #include <bit>
-#include <cstring>
 #include <deque>
 #include <type_traits>
 #include <unordered_map>
@@ -19,6 +18,9 @@ namespace {
 constexpr std::size_t kMaxStack = 1 << 20;
 constexpr std::size_t kMaxMarks = 1 << 10;
 constexpr std::size_t kMaxObjects = 1 << 22;
+// A tensor costs a few hundred bytes of LibTorch bookkeeping but only a few bytes of pickle
+// (REDUCE of memoized arguments); the largest models have some thousands.
+constexpr std::size_t kMaxTensors = 1 << 18;
 constexpr std::size_t kMaxGlobalName = 256;
 constexpr std::size_t kMaxDims = 64;
 
@@ -495,6 +497,7 @@ class Unpickler {
                       "the end of its storage of {} elements",
                       fmt::join(sizes, ", "), fmt::join(strides, ", "), offset, available));
     }
+    if (++tensors_ > kMaxTensors) corrupt(fmt::format("more than {} tensors", kMaxTensors));
     return make(Tensor{data.as_strided(sizes, strides, offset)});
   }
 
@@ -537,6 +540,7 @@ class Unpickler {
   std::size_t at_ = 0;
   std::size_t op_at_ = 0;
   std::deque<Object> objects_;
+  std::size_t tensors_ = 0;
   std::vector<Value> stack_;
   std::vector<std::size_t> marks_;
   std::unordered_map<std::uint64_t, Value> memo_;
