@@ -145,6 +145,12 @@ TEST_F(FromPython, BatchNormStateDictLoadsBitForBitWithViewsAndSharedStorage) {
   }
 }
 
+TEST_F(FromPython, Zip64SizesAndOffsetsAreRead) {
+  // Archives over 4 GiB keep sizes and offsets in ZIP64 extra fields; zip64.pt has them all
+  // there (and 0xffffffff in the 32-bit fields), for bn.pt's records.
+  expect_python_tensors(load_torch_state_dict(path("zip64.pt")), "bn");
+}
+
 TEST_F(FromPython, ParametersSavedDirectlyLoadAsTensors) {
   // torch.save({"w": nn.Parameter(...)}) rebuilds through torch._utils._rebuild_parameter.
   StateDict sd = load_torch_state_dict(path("parameter.pt"));

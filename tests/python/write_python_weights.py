@@ -15,6 +15,8 @@ OUT_DIR/bn.pt              torch.save(model.state_dict()) of Sequential(Linear(4
 OUT_DIR/buffers.pt         torch.save(module.state_dict()) of a module whose buffers are float32,
                            float64, float16, bfloat16, int64, int32, int16, int8, uint8, bool, a
                            0-d tensor, an empty tensor and special floats
+OUT_DIR/zip64.pt           bn.pt's records with every size and offset in ZIP64 extra fields, as in
+                           archives over 4 GiB (written by hand; torch.load checks it)
 OUT_DIR/<name>.raw         the bytes of every tensor of <name>.pt, contiguous, in order
 OUT_DIR/tensors.json       for bn and buffers: per tensor, dtype, shape, stride, storage offset
                            and [begin, end) of its bytes in <name>.raw
@@ -35,6 +37,7 @@ import os
 import struct
 import sys
 import zipfile
+import zlib
 
 import torch
 
@@ -73,6 +76,34 @@ def rezip(src, dst, compress=False, patch=None):
             if patch is not None and info.filename.endswith("/data.pkl"):
                 data = patch(data)
             zout.writestr(info.filename, data)
+
+
+def zip64_copy(src, dst):
+    """Writes the records of zip `src` to `dst` with 0xffffffff in every size and offset field
+    and the values in ZIP64 extra fields, as archives over 4 GiB have them."""
+    with zipfile.ZipFile(src) as z:
+        records = [(i.filename.encode(), z.read(i.filename)) for i in z.infolist()]
+    out = b""
+    central = b""
+    big = 0xffffffff
+    for name, data in records:
+        crc = zlib.crc32(data)
+        offset = len(out)
+        extra = struct.pack("<HHQQ", 1, 16, len(data), len(data))
+        out += struct.pack("<IHHHHHIIIHH", 0x04034b50, 45, 0, 0, 0, 0x21, crc, big, big,
+                           len(name), len(extra)) + name + extra + data
+        extra = struct.pack("<HHQQQ", 1, 24, len(data), len(data), offset)
+        central += struct.pack("<IHHHHHHIIIHHHHHII", 0x02014b50, 45, 45, 0, 0, 0, 0x21, crc, big,
+                               big, len(name), len(extra), 0, 0, 0, 0, big) + name + extra
+    directory = len(out)
+    out += central
+    end64 = len(out)
+    out += struct.pack("<IQHHIIQQQQ", 0x06064b50, 44, 45, 45, 0, 0, len(records), len(records),
+                       len(central), directory)
+    out += struct.pack("<IIQI", 0x07064b50, 0, end64, 1)
+    out += struct.pack("<IHHHHIIH", 0x06054b50, 0, 0, 0xffff, 0xffff, big, big, 0)
+    with open(dst, "wb") as f:
+        f.write(out)
 
 
 def replace_once(data, old, new):
@@ -158,6 +189,9 @@ def main():
         json.dump(tensors, f)
 
     bn_path = os.path.join(out, "bn.pt")
+    zip64_copy(bn_path, os.path.join(out, "zip64.pt"))
+    reloaded = torch.load(os.path.join(out, "zip64.pt"))
+    assert all(torch.equal(reloaded[k], bn[k]) for k in bn)
     rezip(bn_path, os.path.join(out, "compressed.pt"), compress=True)
     rezip(bn_path, os.path.join(out, "bad_opcode.pt"),
           patch=lambda d: replace_once(d, b"ccollections\nOrderedDict\n",
