@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <iterator>
 #include <random>
 
 #include "io/filename.h"
@@ -86,7 +87,15 @@ class FaultFile final : public File {
       n = direct() ? std::max<std::size_t>(4096, size / 2 / 4096 * 4096) : size / 2;
       n = std::min(n, size);
     }
-    std::size_t written = base_->write_at(data, n, offset);
+    std::size_t allowed = env_.reserve_budget(path(), n, direct());
+    std::size_t written = 0;
+    try {
+      written = base_->write_at(data, allowed, offset);
+    } catch (...) {
+      env_.give_back_budget(allowed);
+      throw;
+    }
+    env_.give_back_budget(allowed - written);
     env_.note_write(path(), offset + written);
     return written;
   }
@@ -96,7 +105,8 @@ class FaultFile final : public File {
   }
   void sync() override {
     env_.before(Op::Sync, path());
-    base_->sync();
+    if (env_.take_dropped_barrier(Op::Sync, path())) return;
+    if (env_.real_syncs()) base_->sync();
     env_.note_sync(path());
   }
   void truncate(std::uint64_t size) override {
@@ -142,6 +152,53 @@ void FaultEnv::clear_faults() {
   fail_countdown_ = 0;
   failing_ = false;
   short_writes_ = false;
+  drop_countdown_.clear();
+  budget_.reset();
+}
+
+void FaultEnv::drop_nth_barrier(Op op, std::uint64_t n) {
+  if (op != Op::Sync && op != Op::SyncDir) {
+    throw Error(
+        ErrorCode::InvalidArgument,
+        fmt::format("drop_nth_barrier: {} is not a barrier; use sync or sync_dir", op_name(op)));
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  drop_countdown_[op] = n;
+}
+
+void FaultEnv::set_real_syncs(bool on) { real_syncs_ = on; }
+
+void FaultEnv::set_byte_budget(std::optional<std::uint64_t> bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  budget_ = bytes;
+}
+
+bool FaultEnv::take_dropped_barrier(Op op, const std::string& path) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = drop_countdown_.find(op);
+  if (it == drop_countdown_.end() || it->second == 0 || --it->second > 0) return false;
+  log_.push_back(fmt::format("{} {} -> dropped", op_name(op), path));
+  return true;
+}
+
+std::size_t FaultEnv::reserve_budget(const std::string& path, std::size_t size, bool direct) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!budget_) return size;
+  std::uint64_t fits = std::min<std::uint64_t>(size, *budget_);
+  // An O_DIRECT write moves whole blocks only.
+  if (direct) fits = fits / 4096 * 4096;
+  if (fits == 0 && size > 0) {
+    ++fired_;
+    log_.push_back(fmt::format("write {} -> injected {} (byte budget spent)", path, ENOSPC));
+    throw posix_error(fmt::format("write of {} (injected: byte budget spent)", path), ENOSPC);
+  }
+  *budget_ -= fits;
+  return static_cast<std::size_t>(fits);
+}
+
+void FaultEnv::give_back_budget(std::size_t unused) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (budget_) *budget_ += unused;
 }
 
 void FaultEnv::set_short_writes(bool on) { short_writes_ = on; }
@@ -236,14 +293,15 @@ std::unique_ptr<File> FaultEnv::open(const std::string& path, OpenMode mode) {
       std::lock_guard<std::mutex> lock(mutex_);
       files_[path] = Tracked{};
     }
-    record_dir_op({DirOp::Create, path, "", parent_path(path)});
+    record_dir_op({DirOp::Create, path, "", parent_path(path), std::nullopt});
   }
   return std::make_unique<FaultFile>(*this, std::move(file));
 }
 
 void FaultEnv::sync_dir(const std::string& dir) {
   before(Op::SyncDir, dir);
-  base_.sync_dir(dir);
+  if (take_dropped_barrier(Op::SyncDir, dir)) return;
+  if (real_syncs_) base_.sync_dir(dir);
   std::lock_guard<std::mutex> lock(mutex_);
   // Entries in `dir` are durable now. Creations inside a directory that is itself still
   // pending stay undoable through that directory's own entry.
@@ -252,6 +310,12 @@ void FaultEnv::sync_dir(const std::string& dir) {
 
 void FaultEnv::rename(const std::string& from, const std::string& to, bool replace) {
   before(Op::Rename, from);
+  // A power cut that undoes a replacing rename brings the replaced file back: keep its bytes.
+  std::optional<std::string> replaced;
+  if (replace) {
+    FileInfo target = base_.stat(to);
+    if (target.exists && !target.is_directory) replaced = base_.read_file(to);
+  }
   base_.rename(from, to, replace);
   move_tracking(from, to);
   {
@@ -263,13 +327,13 @@ void FaultEnv::rename(const std::string& from, const std::string& to, bool repla
       }
     }
   }
-  record_dir_op({DirOp::Rename, to, from, parent_path(to)});
+  record_dir_op({DirOp::Rename, to, from, parent_path(to), std::move(replaced)});
 }
 
 void FaultEnv::mkdir(const std::string& path) {
   before(Op::Mkdir, path);
   base_.mkdir(path);
-  record_dir_op({DirOp::Create, path, "", parent_path(path)});
+  record_dir_op({DirOp::Create, path, "", parent_path(path), std::nullopt});
 }
 
 void FaultEnv::remove_file(const std::string& path) {
@@ -302,6 +366,18 @@ std::unique_ptr<FileLock> FaultEnv::lock(const std::string& path) {
   return base_.lock(path);
 }
 
+namespace {
+
+// Writes `bytes` to a new file at `path` with plain POSIX calls (no tracking, no faults).
+void restore_file(const std::string& path, const std::string& bytes) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) return;
+  [[maybe_unused]] ssize_t n = ::pwrite(fd, bytes.data(), bytes.size(), 0);
+  ::close(fd);
+}
+
+}  // namespace
+
 void FaultEnv::simulate_power_cut(PowerCutMode mode, std::uint64_t seed) {
   std::lock_guard<std::mutex> lock(mutex_);
   std::mt19937_64 rng(seed);
@@ -327,6 +403,14 @@ void FaultEnv::simulate_power_cut(PowerCutMode mode, std::uint64_t seed) {
     try {
       if (it->kind == DirOp::Rename) {
         if (base_.stat(it->path).exists) base_.rename(it->path, it->from, /*replace=*/false);
+        if (it->replaced) restore_file(it->path, *it->replaced);
+        // Older entries were renamed along with it: they are back under the old name.
+        for (auto older = std::next(it); older != pending_.rend(); ++older) {
+          if (older->path == it->path || older->path.starts_with(it->path + "/")) {
+            older->path = it->from + older->path.substr(it->path.size());
+            older->parent = parent_path(older->path);
+          }
+        }
       } else {
         base_.remove_all(it->path);
       }

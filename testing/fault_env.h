@@ -11,6 +11,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -60,6 +61,17 @@ class FaultEnv : public Env {
   void set_short_writes(bool on);
   // Called before every op; a test may throw from it or _exit() to crash at that point.
   void set_before_op(std::function<void(Op, const std::string&)> hook);
+  // The nth call (from now, 1-based) of `op`, which is Op::Sync or Op::SyncDir, reports success
+  // without syncing anything, as if that barrier were missing from the code: a later power cut
+  // loses what it should have made durable. Counted apart from fail_nth().
+  void drop_nth_barrier(Op op, std::uint64_t n);
+  // With `on` false, sync and sync_dir are tracked as done but never reach the disk: for tests
+  // whose durability comes from simulate_power_cut() alone, which then run many times faster.
+  void set_real_syncs(bool on);
+  // A disk with `bytes` free from now on: writes through this env's files use them up; a write
+  // that does not fit writes what still fits (a short write) and the next one fails with ENOSPC.
+  // Removing files frees nothing. nullopt: no limit (the default).
+  void set_byte_budget(std::optional<std::uint64_t> bytes);
 
   // Number of calls so far and whether any injected fault fired.
   std::uint64_t calls() const;
@@ -88,6 +100,13 @@ class FaultEnv : public Env {
   // Used by the files this env opens.
   void before(Op op, const std::string& path);
   bool short_writes() const { return short_writes_; }
+  bool real_syncs() const { return real_syncs_; }
+  // True (and counted as used) when this call of `op` is the barrier to drop.
+  bool take_dropped_barrier(Op op, const std::string& path);
+  // How many of `size` bytes a write may write under the byte budget, reserving them; throws
+  // ENOSPC when none fit. give_back_budget() returns what the write did not use.
+  std::size_t reserve_budget(const std::string& path, std::size_t size, bool direct);
+  void give_back_budget(std::size_t unused);
   void note_write(const std::string& path, std::uint64_t end);
   void note_sync(const std::string& path);
   Env& base() { return base_; }
@@ -102,6 +121,7 @@ class FaultEnv : public Env {
     std::string path;  // created path, or rename target
     std::string from;  // rename source
     std::string parent;
+    std::optional<std::string> replaced;  // contents of the file a rename replaced
   };
 
   void record_dir_op(DirOp op);
@@ -115,9 +135,12 @@ class FaultEnv : public Env {
   bool fail_persistent_ = false;
   bool failing_ = false;  // a persistent fault fired
   bool short_writes_ = false;
+  bool real_syncs_ = true;
   std::uint64_t calls_ = 0;
   std::uint64_t fired_ = 0;
   std::vector<std::string> log_;
+  std::map<Op, std::uint64_t> drop_countdown_;
+  std::optional<std::uint64_t> budget_;
   std::function<void(Op, const std::string&)> before_op_;
   std::map<std::string, Tracked> files_;
   std::vector<DirOp> pending_;
