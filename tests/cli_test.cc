@@ -22,6 +22,7 @@
 
 #include "sha256.h"
 #include "testing/test_util.h"
+#include "tests/learner_job.h"
 #include "torchpoint/checkpoint_dir.h"
 #include "torchpoint/data_position.h"
 #include "torchpoint/env.h"
@@ -963,6 +964,54 @@ TEST(CliPrune, NeverDeletesTheNewestValidAndMaxModeKeepsTheHighest) {
   EXPECT_EQ(action(again.out, "checkpoint_10"), "KEEP");
   EXPECT_EQ(p.left(), (std::vector<std::string>{".lock", "checkpoint_10", "checkpoint_11",
                                                 "checkpoint_12.tmp-123-abcdef0123456789"}));
+}
+
+// The checkpoints a Learner's model_checkpoint writes: ls shows their epoch, step and metric,
+// show and plot read their records, prune keeps the best by that metric.
+TEST(CliLearner, LsShowPlotAndPruneLearnerCheckpoints) {
+  TempDir tmp;
+  auto data = testing::seed_data(256);
+  auto learner = testing::linear_learner();
+  FitResult result = learner->fit(
+      {data.x, data.y}, FitOptions().epochs(4).verbose(false).callbacks(
+                            {callbacks::model_checkpoint(tmp / "ck/").monitor("train_loss")}));
+  const auto& losses = result.records.values("train", "loss");
+  std::vector<std::string> files = testing::list_sorted(tmp / "ck");
+  ASSERT_EQ(files.size(), 4u);
+
+  Result ls = tp({"ls", tmp / "ck", "--json"});
+  ASSERT_EQ(ls.status, 0) << ls.err;
+  Json j = parse_json(ls);
+  ASSERT_EQ(j["checkpoints"].size(), 4u);
+  for (std::size_t i = 0; i < 4; ++i) {
+    const Json& c = j["checkpoints"][i];
+    EXPECT_EQ(c["number"], i + 1);
+    EXPECT_EQ(c["step"], static_cast<std::int64_t>((i + 1) * 8));  // 256 / 32 steps per epoch
+    EXPECT_EQ(c["metrics"]["train_loss"].get<double>(), losses[i]);
+  }
+  EXPECT_EQ(j["latest"], files.back());
+  Result text = tp({"ls", tmp / "ck"});
+  EXPECT_NE(line_with(text.out, files[0]).find("train_loss="), std::string::npos) << text.out;
+
+  Result show = tp({"show", tmp / "ck/" + files[2]});
+  ASSERT_EQ(show.status, 0) << show.err;
+  EXPECT_NE(show.out.find("records"), std::string::npos) << show.out;
+  EXPECT_NE(squeeze(show.out).find("records train loss 3"), std::string::npos) << show.out;
+  Result plot = tp({"plot", tmp / "ck/" + files[2], tmp / "p.svg"});
+  ASSERT_EQ(plot.status, 0) << plot.err;
+  EXPECT_NE(slurp(tmp / "p.svg").find("data-metric=\"loss\""), std::string::npos);
+
+  std::size_t best = std::min_element(losses.begin(), losses.end()) - losses.begin();
+  Result prune = tp({"prune", tmp / "ck", "--keep-last", "1", "--keep-best", "train_loss"});
+  ASSERT_EQ(prune.status, 0) << prune.err;
+  std::vector<std::string> kept = {files[best], files.back()};
+  std::sort(kept.begin(), kept.end());
+  kept.erase(std::unique(kept.begin(), kept.end()), kept.end());
+  std::vector<std::string> left;
+  for (const std::string& name : testing::list_sorted(tmp / "ck")) {
+    if (name != ".lock") left.push_back(name);
+  }
+  EXPECT_EQ(left, kept) << prune.out;
 }
 
 TEST(CliPrune, Errors) {

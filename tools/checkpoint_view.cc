@@ -193,6 +193,17 @@ std::optional<std::int64_t> file_checkpoint_step(const std::string& path) {
   return std::nullopt;
 }
 
+std::optional<Json> file_checkpoint_metrics(const std::string& path) {
+  Json metadata = file_metadata(path);
+  auto state = metadata.find("state");
+  if (state == metadata.end() || !state->is_object()) return std::nullopt;
+  auto values = state->find("values");
+  if (values == state->end() || !values->is_object()) return std::nullopt;
+  auto metrics = values->find("learner.metrics");
+  if (metrics == values->end() || !metrics->is_object()) return std::nullopt;
+  return *metrics;
+}
+
 const ComponentView* find_component(const CheckpointView& view, const std::string& name) {
   for (const ComponentView& c : view.components) {
     if (c.name == name) return &c;

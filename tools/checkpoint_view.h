@@ -49,6 +49,8 @@ CheckpointView open_checkpoint(const std::string& path);
 // value "step" at its top level or "counters.step" (TrainingCounters under "counters").
 // nullopt when it has none or the header cannot be read.
 std::optional<std::int64_t> file_checkpoint_step(const std::string& path);
+// The "learner.metrics" of a learner checkpoint file (the epoch's values by monitor name).
+std::optional<Json> file_checkpoint_metrics(const std::string& path);
 
 // The component named `name`, or nullptr.
 const ComponentView* find_component(const CheckpointView& view, const std::string& name);

@@ -78,7 +78,12 @@ void describe_file(Env& env, ListedCheckpoint& entry) {
   VerifyReport report = verify(entry.path, env);
   entry.status = report.ok() ? Status::Valid : Status::Corrupt;
   entry.problems = std::move(report.problems);
-  if (entry.status == Status::Valid) entry.step = file_checkpoint_step(entry.path);
+  if (entry.status != Status::Valid) return;
+  entry.step = file_checkpoint_step(entry.path);
+  // A learner checkpoint's metrics, as a directory checkpoint's manifest metadata has them.
+  if (std::optional<Json> metrics = file_checkpoint_metrics(entry.path)) {
+    entry.metadata = Json{{"metrics", *metrics}};
+  }
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // torchpoint plot PATH OUT.svg: the metric curves of a checkpoint's records.
 #include <fmt/format.h>
 
+#include "checkpoint_view.h"
 #include "commands.h"
 #include "io/filename.h"
 #include "output.h"
