@@ -16,17 +16,11 @@
 #include "format/checksum.h"
 #include "testing/fault_env.h"
 #include "tests/accelerator_job.h"
+#include "tests/child_log.h"
 
 namespace tp = torchpoint;
 
 namespace {
-
-void log_line(const std::string& path, const std::string& line) {
-  // One write per line, appended: a SIGKILL can cut the run but never a line in half.
-  FILE* f = std::fopen(path.c_str(), "a");
-  std::fputs((line + "\n").c_str(), f);
-  std::fclose(f);
-}
 
 std::uint64_t digest(const tp::StateDict& sd) {
   tp::Xxh3Stream h;
@@ -70,16 +64,12 @@ int main(int argc, char** argv) {
     // Accelerate's flow: skip the batches already consumed in this epoch. load_state() has
     // already put the data position back; skip_first_batches is absolute, so they agree.
     job.acc.skip_first_batches(job.loader, static_cast<std::size_t>(job.counters.batch_in_epoch));
-    log_line(log, "resumed " + r.path);
+    tp::testing::append_line(log, "resumed " + r.path);
   }
   job.train(
       /*save_every=*/5,
       [&](std::int64_t step, float loss) {
-        std::uint32_t bits;
-        std::memcpy(&bits, &loss, sizeof bits);
-        char line[64];
-        std::snprintf(line, sizeof line, "step %" PRId64 " %08x", step, bits);
-        log_line(log, line);
+        tp::testing::append_line(log, tp::testing::step_line(step, loss));
         if (step == kill_step) ::raise(SIGKILL);
       },
       [&](std::int64_t) {
@@ -87,6 +77,6 @@ int main(int argc, char** argv) {
         ops_in_save = 0;
         if (saves == kill_after_save) ::raise(SIGKILL);
       });
-  log_line(log, "final " + tp::checksum_hex(digest(job.final_state())));
+  tp::testing::append_line(log, "final " + tp::checksum_hex(digest(job.final_state())));
   return 0;
 }

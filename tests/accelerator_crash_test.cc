@@ -11,57 +11,21 @@
 #include <sstream>
 
 #include "testing/test_util.h"
+#include "tests/child_log.h"
 
 namespace torchpoint {
 namespace {
 
-// Runs the child; returns its wait status.
 int run_child(const std::string& project, const std::string& log, const std::string& kill) {
-  pid_t pid = ::fork();
-  if (pid == 0) {
-    ::execl(ACCELERATOR_CHILD, ACCELERATOR_CHILD, project.c_str(), log.c_str(), kill.c_str(),
-            nullptr);
-    ::_exit(127);
-  }
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  return status;
-}
-
-struct Log {
-  std::multimap<long, std::string> steps;  // every step line of every run
-  std::string final_digest;
-  int resumes = 0;
-};
-
-Log read_log(const std::string& path) {
-  Log out;
-  std::ifstream in(path);
-  std::string line;
-  while (std::getline(in, line)) {
-    std::istringstream words(line);
-    std::string kind;
-    words >> kind;
-    if (kind == "step") {
-      long step;
-      std::string bits;
-      words >> step >> bits;
-      out.steps.emplace(step, bits);
-    } else if (kind == "final") {
-      words >> out.final_digest;
-    } else if (kind == "resumed") {
-      ++out.resumes;
-    }
-  }
-  return out;
+  return testing::run_child(ACCELERATOR_CHILD, {project, log, kill});
 }
 
 TEST(AcceleratorCrash, KilledAtTenPointsResumesBitIdentically) {
   testing::TempDir dir;
   ASSERT_EQ(run_child(dir / "reference", dir / "reference.log", "none"), 0);
-  Log reference = read_log(dir / "reference.log");
+  testing::ChildLog reference = testing::read_child_log(dir / "reference.log");
   ASSERT_EQ(reference.steps.size(), 39u);
-  ASSERT_FALSE(reference.final_digest.empty());
+  ASSERT_FALSE(reference.last("final").empty());
 
   const std::vector<std::string> plans = {
       "step:1",        // before any save
@@ -84,9 +48,9 @@ TEST(AcceleratorCrash, KilledAtTenPointsResumesBitIdentically) {
     int killed = run_child(project, log, plan);
     ASSERT_TRUE(WIFSIGNALED(killed) && WTERMSIG(killed) == SIGKILL) << "status " << killed;
     ASSERT_EQ(run_child(project, log, "none"), 0) << "the rerun must finish";
-    Log got = read_log(log);
+    testing::ChildLog got = testing::read_child_log(log);
     // Every plan but the first kills after a checkpoint exists, so the rerun must resume.
-    EXPECT_EQ(got.resumes, plan == "step:1" ? 0 : 1);
+    EXPECT_EQ(got.count("resumed"), plan == "step:1" ? 0u : 1u);
     EXPECT_LT(got.steps.size(), 39u + 39u) << "a resume must not start over";
     for (const auto& [step, bits] : got.steps) {
       auto ref = reference.steps.find(step);
@@ -94,7 +58,7 @@ TEST(AcceleratorCrash, KilledAtTenPointsResumesBitIdentically) {
       EXPECT_EQ(bits, ref->second) << "loss of step " << step << " differs";
     }
     for (long s = 1; s <= 39; ++s) EXPECT_TRUE(got.steps.count(s)) << "step " << s << " never ran";
-    EXPECT_EQ(got.final_digest, reference.final_digest) << "final state differs";
+    EXPECT_EQ(got.last("final"), reference.last("final")) << "final state differs";
   }
 }
 

@@ -17,18 +17,12 @@
 #include <string>
 
 #include "testing/fault_env.h"
+#include "tests/child_log.h"
 #include "tests/learner_job.h"
 
 namespace tp = torchpoint;
 
 namespace {
-
-void log_line(const std::string& path, const std::string& line) {
-  // One write per line, appended: a SIGKILL can cut the run but never a line in half.
-  FILE* f = std::fopen(path.c_str(), "a");
-  std::fputs((line + "\n").c_str(), f);
-  std::fclose(f);
-}
 
 // Runs `action` at one hook, at a chosen place in the callback order.
 struct At : tp::Callback {
@@ -75,12 +69,7 @@ int main(int argc, char** argv) {
   // Early in the order: sees every step's loss and whether the fit was resumed.
   auto early = std::make_shared<At>("log", 0);
   early->after_loss = [&](tp::Context& ctx) {
-    float loss = ctx.loss.item<float>();
-    std::uint32_t bits;
-    std::memcpy(&bits, &loss, sizeof bits);
-    char line[64];
-    std::snprintf(line, sizeof line, "step %" PRId64 " %08x", ctx.step + 1, bits);
-    log_line(log, line);
+    tp::testing::append_line(log, tp::testing::step_line(ctx.step + 1, ctx.loss.item<float>()));
   };
   early->epoch_end = [&](tp::Context& ctx) {
     if (ctx.epoch == kill_before) ::raise(SIGKILL);
@@ -88,7 +77,7 @@ int main(int argc, char** argv) {
   // After auto_resume in the order: its restore and its saves have happened.
   auto late = std::make_shared<At>("kill", 2000);
   late->fit_begin = [&](tp::Context& ctx) {
-    if (ctx.learner->counters().step > 0) log_line(log, "resumed");
+    if (ctx.learner->counters().step > 0) tp::testing::append_line(log, "resumed");
   };
   late->batch_end = [&](tp::Context& ctx) {
     if (ctx.epoch == kill_epoch && ctx.batch == kill_batch) ::raise(SIGKILL);
@@ -117,7 +106,7 @@ int main(int argc, char** argv) {
                       std::make_shared<tp::testing::LossTally>(),
                       tp::callbacks::auto_resume(dir + "/state.ckpt").save_every_steps(10), late}));
   learner->save_checkpoint(dir + "/final.ckpt");
-  log_line(log, "ops " + std::to_string(ops));
-  log_line(log, "done");
+  tp::testing::append_line(log, "ops " + std::to_string(ops));
+  tp::testing::append_line(log, "done");
   return 0;
 }

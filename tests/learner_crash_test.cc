@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "testing/test_util.h"
+#include "tests/child_log.h"
 #include "torchpoint/state_dict.h"
 #include "torchpoint/tensor_file.h"
 
@@ -19,45 +20,7 @@ namespace torchpoint {
 namespace {
 
 int run_child(const std::string& dir, const std::string& log, const std::string& kill) {
-  pid_t pid = ::fork();
-  if (pid == 0) {
-    ::execl(LEARNER_CHILD, LEARNER_CHILD, dir.c_str(), log.c_str(), kill.c_str(), nullptr);
-    ::_exit(127);
-  }
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  return status;
-}
-
-struct Log {
-  std::multimap<long, std::string> steps;
-  int resumes = 0;
-  int done = 0;
-  long ops = 0;  // file-system calls of the last run that finished
-};
-
-Log read_log(const std::string& path) {
-  Log out;
-  std::ifstream in(path);
-  std::string line;
-  while (std::getline(in, line)) {
-    std::istringstream words(line);
-    std::string kind;
-    words >> kind;
-    if (kind == "step") {
-      long step;
-      std::string bits;
-      words >> step >> bits;
-      out.steps.emplace(step, bits);
-    } else if (kind == "resumed") {
-      ++out.resumes;
-    } else if (kind == "ops") {
-      words >> out.ops;
-    } else if (kind == "done") {
-      ++out.done;
-    }
-  }
-  return out;
+  return testing::run_child(LEARNER_CHILD, {dir, log, kill});
 }
 
 void expect_same_state(const StateDict& got, const StateDict& want) {
@@ -76,15 +39,16 @@ TEST(LearnerCrash, KilledAtTwelvePointsRerunsEndBitIdentical) {
   testing::TempDir dir;
   std::string reference_dir = dir / "reference";
   ASSERT_EQ(run_child(reference_dir, dir / "reference.log", "none"), 0);
-  Log reference = read_log(dir / "reference.log");
+  testing::ChildLog reference = testing::read_child_log(dir / "reference.log");
   ASSERT_EQ(reference.steps.size(), static_cast<std::size_t>(kSteps));
-  ASSERT_EQ(reference.done, 1);
+  ASSERT_EQ(reference.count("done"), 1u);
+  const long reference_ops = std::stol(reference.last("ops"));
   StateDict reference_final = StateDict::from_container(load_file(reference_dir + "/final.ckpt"));
   std::vector<std::string> reference_ckpts = testing::list_sorted(reference_dir + "/ckpts");
   ASSERT_FALSE(reference_ckpts.empty());
   EXPECT_FALSE(Env::posix().stat(reference_dir + "/state.ckpt").exists);
 
-  ASSERT_GT(reference.ops, 100);
+  ASSERT_GT(reference_ops, 100);
   std::vector<std::string> plans = {
       "batch:1:3",      // before any save: the rerun starts over
       "batch:1:10",     // right after the first step save
@@ -97,7 +61,7 @@ TEST(LearnerCrash, KilledAtTwelvePointsRerunsEndBitIdentical) {
       "op:4",           // inside the first save
   };
   // Inside saves spread over the run (auto_resume's and model_checkpoint's).
-  for (long part : {3, 5, 7}) plans.push_back(fmt::format("op:{}", reference.ops * part / 8));
+  for (long part : {3, 5, 7}) plans.push_back(fmt::format("op:{}", reference_ops * part / 8));
   for (std::size_t i = 0; i < plans.size(); ++i) {
     const std::string& plan = plans[i];
     SCOPED_TRACE("kill plan " + plan);
@@ -106,9 +70,9 @@ TEST(LearnerCrash, KilledAtTwelvePointsRerunsEndBitIdentical) {
     int killed = run_child(run_dir, log, plan);
     ASSERT_TRUE(WIFSIGNALED(killed) && WTERMSIG(killed) == SIGKILL) << "status " << killed;
     ASSERT_EQ(run_child(run_dir, log, "none"), 0) << "the rerun must finish";
-    Log got = read_log(log);
-    EXPECT_EQ(got.done, 1);
-    EXPECT_EQ(got.resumes, plan == "batch:1:3" || plan == "op:4" ? 0 : 1);
+    testing::ChildLog got = testing::read_child_log(log);
+    EXPECT_EQ(got.count("done"), 1u);
+    EXPECT_EQ(got.count("resumed"), plan == "batch:1:3" || plan == "op:4" ? 0u : 1u);
     EXPECT_LT(got.steps.size(), static_cast<std::size_t>(kSteps + 20))
         << "at most the steps since the last save run twice";
     for (const auto& [step, bits] : got.steps) {

@@ -368,19 +368,6 @@ struct Saved {
   }
 };
 
-// A copy whose tensors no longer share memory with the model or optimizer.
-StateDict copy_of(const StateDict& state) {
-  StateDict out;
-  for (const auto& [key, value] : state.entries()) {
-    if (std::holds_alternative<at::Tensor>(value)) {
-      out.set(key, std::get<at::Tensor>(value).clone());
-    } else {
-      out.set(key, std::get<Json>(value));
-    }
-  }
-  return out;
-}
-
 // What a fit sees right after resume_from_checkpoint ran (a probe that runs after it).
 struct AfterResume {
   StateDict model, optimizer;
@@ -389,8 +376,8 @@ struct AfterResume {
   std::shared_ptr<Probe> probe() {
     auto p = std::make_shared<Probe>(/*order=*/950);
     p->at_fit_begin = [this](Context& ctx) {
-      model = copy_of(module_state_dict(*ctx.model));
-      optimizer = copy_of(optimizer_state_dict(*ctx.optimizer));
+      model = module_state_dict(*ctx.model).clone();
+      optimizer = optimizer_state_dict(*ctx.optimizer).clone();
       records = *ctx.records;
       epochs_done = ctx.learner->counters().epoch;
     };

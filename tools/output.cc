@@ -51,13 +51,7 @@ Json json_double(double value) {
 void print_json(std::ostream& out, const Json& value) { out << value.dump(2) << '\n'; }
 
 void write_file_atomically(const std::string& path, std::string_view bytes) {
-  Env& env = Env::posix();
-  PendingFile pending(env, path);
-  std::unique_ptr<File> file = env.open(pending.temp_path(), OpenMode::CreateExclusive);
-  file->write_all(bytes.data(), bytes.size(), 0);
-  file->sync();
-  file->close();
-  pending.commit();
+  torchpoint::write_file_atomically(Env::posix(), path, bytes);
 }
 
 }  // namespace torchpoint::tool

@@ -69,6 +69,10 @@ class StateDict {
   bool empty() const { return entries_.empty(); }
   void erase(const std::string& key);
 
+  // A copy whose tensors are cloned: state_dict() tensors are often views of live parameters
+  // or optimizer buffers, which later training steps change.
+  StateDict clone() const;
+
   // Names what this dict holds in error messages ("optimizer", "model/encoder").
   void set_description(std::string what) { what_ = std::move(what); }
   const std::string& description() const { return what_; }

@@ -126,4 +126,14 @@ std::vector<std::string> remove_stale_temporaries(Env& env, const std::string& d
   return removed;
 }
 
+void write_file_atomically(Env& env, const std::string& path, std::string_view bytes) {
+  PendingFile pending(env, path);
+  std::unique_ptr<File> file = env.open(pending.temp_path(), OpenMode::CreateExclusive);
+  file->write_all(bytes.data(), bytes.size(), 0);
+  // Why before commit: the rename must not publish bytes that are not yet durable.
+  file->sync();
+  file->close();
+  pending.commit();
+}
+
 }  // namespace torchpoint

@@ -7,6 +7,7 @@
 
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "torchpoint/env.h"
@@ -81,5 +82,9 @@ class ProjectLock {
 // process no longer exists) or abandoned by a failed cleanup in this process. Call it while
 // holding the directory's ProjectLock. Returns the names removed.
 std::vector<std::string> remove_stale_temporaries(Env& env, const std::string& dir);
+
+// Writes `bytes` to a temporary sibling of `path`, syncs it and commits it with PendingFile:
+// `path` then holds the new bytes whole, or (on error) what it held before.
+void write_file_atomically(Env& env, const std::string& path, std::string_view bytes);
 
 }  // namespace torchpoint

@@ -189,4 +189,17 @@ StateDict StateDict::from_container(const Container& c) {
   return out;
 }
 
+StateDict StateDict::clone() const {
+  StateDict out;
+  out.set_description(what_);
+  for (const auto& [key, value] : entries_) {
+    if (std::holds_alternative<at::Tensor>(value)) {
+      out.set(key, std::get<at::Tensor>(value).clone());
+    } else {
+      out.set(key, std::get<Json>(value));
+    }
+  }
+  return out;
+}
+
 }  // namespace torchpoint

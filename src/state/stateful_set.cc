@@ -7,23 +7,6 @@
 #include "torchpoint/error.h"
 
 namespace torchpoint {
-namespace {
-
-// A deep copy: state_dict() tensors are often views of live parameters.
-StateDict deep_copy(const StateDict& sd) {
-  StateDict out;
-  out.set_description(sd.description());
-  for (const auto& [key, value] : sd.entries()) {
-    if (std::holds_alternative<at::Tensor>(value)) {
-      out.set(key, std::get<at::Tensor>(value).clone());
-    } else {
-      out.set(key, std::get<Json>(value));
-    }
-  }
-  return out;
-}
-
-}  // namespace
 
 void StatefulSet::add_any(const std::string& name, AnyStateful component, bool restore_last) {
   bool ok = !name.empty();
@@ -108,7 +91,7 @@ RestoreReport StatefulSet::restore(const StateDict& state) {
   try {
     for (const Entry* e : order) {
       if (!state.has_child(e->name)) continue;
-      StateDict before = deep_copy(e->component.state_dict());
+      StateDict before = e->component.state_dict().clone();
       e->component.load_state_dict(state.child(e->name));
       undo.emplace_back(e, std::move(before));
       report.restored.push_back(e->name);

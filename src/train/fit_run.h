@@ -41,6 +41,10 @@ struct FitRun {
 
   // Runs `hook` of every callback in order; see Callback for how exceptions are reported.
   void each(const char* name, void (Callback::*hook)(Context&));
+  // Adds the current batch's loss and metrics to the sums of `set` ("train" or "valid").
+  void add_batch(const std::string& set);
+  // Records the epoch's means of `set` and puts them in ctx.metrics.
+  void record_set(const std::string& set);
 };
 
 }  // namespace torchpoint::detail

@@ -39,6 +39,35 @@ void FitRun::each(const char* name, void (Callback::*hook)(Context&)) {
   }
 }
 
+// Adds a batch's per-element values to a float64 running sum (the element order is fixed, so
+// the sum is the same in every run).
+void accumulate(Accumulator& acc, const at::Tensor& values) {
+  at::Tensor v = values.detach().to(at::kDouble).reshape({-1});
+  acc.sum += v.sum().item<double>();
+  acc.count += v.numel();
+}
+
+void FitRun::add_batch(const std::string& set) {
+  at::NoGradGuard no_grad;
+  Accumulator& loss = progress[set + "_loss"];
+  auto n = ctx.input.size(0);
+  loss.sum += ctx.loss.item<double>() * static_cast<double>(n);
+  loss.count += n;
+  for (const Metric& m : metrics) {
+    accumulate(progress[set + "_" + m.name()], m.values(ctx.pred, ctx.target));
+  }
+}
+
+void FitRun::record_set(const std::string& set) {
+  std::string prefix = set + "_";
+  for (const std::string& name : monitors) {
+    if (name.rfind(prefix, 0) != 0) continue;
+    double value = progress[name].mean();
+    ctx.metrics[name] = value;
+    ctx.records->record(set, name.substr(prefix.size()), value);
+  }
+}
+
 }  // namespace detail
 
 namespace {
@@ -59,14 +88,6 @@ std::uint64_t draw_seed() {
 at::Tensor index_tensor(const std::vector<std::size_t>& indices) {
   std::vector<std::int64_t> values(indices.begin(), indices.end());
   return at::tensor(values, at::kLong);
-}
-
-// Adds a batch's per-element values to a float64 running sum (the element order is fixed, so
-// the sum is the same in every run).
-void accumulate(detail::Accumulator& acc, const at::Tensor& values) {
-  at::Tensor v = values.detach().to(at::kDouble).reshape({-1});
-  acc.sum += v.sum().item<double>();
-  acc.count += v.numel();
 }
 
 std::vector<std::size_t> sequential(std::size_t begin, std::size_t end) {
@@ -175,7 +196,9 @@ std::map<std::string, double> Learner::evaluate(const FitData& data, std::int64_
     auto n = x.size(0);
     acc["valid_loss"].sum += loss_(pred, y).item<double>() * static_cast<double>(n);
     acc["valid_loss"].count += n;
-    for (const Metric& m : metrics) accumulate(acc["valid_" + m.name()], m.values(pred, y));
+    for (const Metric& m : metrics) {
+      detail::accumulate(acc["valid_" + m.name()], m.values(pred, y));
+    }
   }
   model_->train(was_training);
   std::map<std::string, double> out;
@@ -305,16 +328,7 @@ FitResult Learner::fit(const FitData& data, const FitOptions& options) {
       ++counters_.step;
       ctx.step = counters_.step;
       run.each("on_train_batch_after_step", &Callback::on_train_batch_after_step);
-      {
-        at::NoGradGuard no_grad;
-        auto n = static_cast<std::int64_t>(indices->size());
-        detail::Accumulator& loss = run.progress["train_loss"];
-        loss.sum += ctx.loss.item<double>() * static_cast<double>(n);
-        loss.count += n;
-        for (const Metric& m : run.metrics) {
-          accumulate(run.progress["train_" + m.name()], m.values(ctx.pred, ctx.target));
-        }
-      }
+      run.add_batch("train");
       // The batch counts as consumed before on_train_batch_end, where a checkpoint may be
       // taken: a run resumed from it must continue with the next batch.
       run.sampler.consume(indices->size());
@@ -323,12 +337,7 @@ FitResult Learner::fit(const FitData& data, const FitOptions& options) {
       progress.batch(counters_.batch_in_epoch, run.progress["train_loss"].mean());
       run.each("on_train_batch_end", &Callback::on_train_batch_end);
     }
-    for (const std::string& name : run.monitors) {
-      if (name.rfind("train_", 0) != 0) continue;
-      double value = run.progress[name].mean();
-      ctx.metrics[name] = value;
-      records_.record("train", name.substr(6), value);
-    }
+    run.record_set("train");
     run.each("on_train_end", &Callback::on_train_end);
 
     if (valid != nullptr) {
@@ -347,21 +356,10 @@ FitResult Learner::fit(const FitData& data, const FitOptions& options) {
         run.each("on_valid_batch_after_pred", &Callback::on_valid_batch_after_pred);
         ctx.loss = loss_(ctx.pred, ctx.target);
         run.each("on_valid_batch_after_loss", &Callback::on_valid_batch_after_loss);
-        auto n = x.size(0);
-        detail::Accumulator& loss = run.progress["valid_loss"];
-        loss.sum += ctx.loss.item<double>() * static_cast<double>(n);
-        loss.count += n;
-        for (const Metric& m : run.metrics) {
-          accumulate(run.progress["valid_" + m.name()], m.values(ctx.pred, ctx.target));
-        }
+        run.add_batch("valid");
         run.each("on_valid_batch_end", &Callback::on_valid_batch_end);
       }
-      for (const std::string& name : run.monitors) {
-        if (name.rfind("valid_", 0) != 0) continue;
-        double value = run.progress[name].mean();
-        ctx.metrics[name] = value;
-        records_.record("valid", name.substr(6), value);
-      }
+      run.record_set("valid");
       run.each("on_valid_end", &Callback::on_valid_end);
       model_->train();
     }

@@ -135,7 +135,7 @@ struct CallbacksPart {
     try {
       for (const CallbackPtr& callback : run->callbacks) {
         if (std::find(names.begin(), names.end(), callback->name()) == names.end()) continue;
-        StateDict before = callback->state_dict();
+        StateDict before = callback->state_dict().clone();
         callback->load_state_dict(s.child("state." + callback->name()));
         undo.emplace_back(callback.get(), std::move(before));
       }

@@ -324,13 +324,7 @@ void FitResult::plot(const std::string& path) const {
     throw Error(ErrorCode::InvalidArgument,
                 fmt::format("cannot plot to {}: name the file .svg or .png", path));
   }
-  Env& env = Env::posix();
-  PendingFile pending(env, path);
-  std::unique_ptr<File> file = env.open(pending.temp_path(), OpenMode::CreateExclusive);
-  file->write_all(bytes.data(), bytes.size(), 0);
-  file->sync();
-  file->close();
-  pending.commit();
+  write_file_atomically(Env::posix(), path, bytes);
 }
 
 }  // namespace torchpoint
