@@ -35,7 +35,9 @@ TempDir::~TempDir() {
 bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
   if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
   at::Tensor ca = a.contiguous(), cb = b.contiguous();
-  return std::memcmp(ca.data_ptr(), cb.data_ptr(), ca.numel() * ca.element_size()) == 0;
+  // An empty tensor may have no data: memcmp(nullptr, ...) is undefined even for 0 bytes.
+  std::size_t bytes = ca.numel() * ca.element_size();
+  return bytes == 0 || std::memcmp(ca.data_ptr(), cb.data_ptr(), bytes) == 0;
 }
 
 at::Tensor make_tensor(c10::ScalarType dtype, std::vector<std::int64_t> shape, std::uint64_t seed) {

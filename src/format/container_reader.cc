@@ -13,6 +13,7 @@
 
 #include "format/checksum.h"
 #include "format/container.h"
+#include "format/json_depth.h"
 #include "io/filename.h"
 #include "torchpoint/error.h"
 
@@ -27,6 +28,13 @@ void Problems::add(std::string message, ErrorCode code) {
 namespace {
 
 using ojson = nlohmann::ordered_json;
+
+// The string at `key`, or "" when it is missing or not a string (json::value() would throw a
+// nlohmann exception for a hostile non-string, which no caller expects).
+std::string string_field(const ojson& object, const char* key) {
+  auto it = object.find(key);
+  return it != object.end() && it->is_string() ? it->get<std::string>() : std::string();
+}
 
 // numel * element size, or nullopt on overflow or a negative dimension.
 std::optional<std::uint64_t> byte_size(const std::vector<std::int64_t>& shape,
@@ -111,18 +119,24 @@ void parse_torchpoint_metadata(const nlohmann::json& metadata, const std::string
                     path));
     return;
   }
+  const std::string& meta_text = it->get_ref<const std::string&>();
+  if (!json_depth_within(meta_text)) {
+    problems.add(
+        fmt::format("{}: torchpoint metadata nests deeper than {} levels", path, kMaxJsonDepth));
+    return;
+  }
   ojson meta;
   try {
-    meta = ojson::parse(it->get<std::string>());
+    meta = ojson::parse(meta_text);
   } catch (const ojson::exception& e) {
     problems.add(fmt::format("{}: torchpoint metadata is not valid JSON ({})", path, e.what()));
     return;
   }
-  if (!meta.is_object() || meta.value("format", "") != kFormatName) {
+  if (!meta.is_object() || string_field(meta, "format") != kFormatName) {
     problems.add(fmt::format("{}: torchpoint metadata has no \"format\": \"torchpoint\"", path));
     return;
   }
-  std::string version = meta.value("format_version", "");
+  std::string version = string_field(meta, "format_version");
   int major = 0, minor = 0;
   if (std::sscanf(version.c_str(), "%d.%d", &major, &minor) != 2 || major < 1) {
     problems.add(fmt::format("{}: invalid format_version '{}'", path, version));
@@ -246,6 +260,10 @@ ContainerHeader parse_container_header(std::string_view prefix, std::uint64_t fi
   }
   if (!header_ok && !problems.collecting()) return header;
 
+  if (!json_depth_within(text)) {
+    problems.add(fmt::format("{}: header JSON nests deeper than {} levels", path, kMaxJsonDepth));
+    return header;
+  }
   // A std::map-backed object: ordered_json would make 20,000 keys cost quadratic time, and the
   // data order comes from the offsets anyway.
   nlohmann::json root;

@@ -4,8 +4,10 @@
 #include <torch/csrc/api/include/torch/version.h>
 
 #include <cstring>
+#include <limits>
 
 #include "format/checksum.h"
+#include "format/json_depth.h"
 #include "io/filename.h"
 #include "torchpoint/error.h"
 
@@ -17,6 +19,34 @@ namespace torchpoint {
 namespace {
 
 using ojson = nlohmann::ordered_json;
+
+// The string at `key`, or "" when it is missing or not a string (json::value() would throw a
+// nlohmann exception for a hostile non-string, which no caller expects).
+std::string string_field(const ojson& object, const char* key) {
+  auto it = object.find(key);
+  return it != object.end() && it->is_string() ? it->get<std::string>() : std::string();
+}
+
+// The JSON integer at `key`. nlohmann's get<std::int64_t>() would also take a float, with
+// undefined behaviour when it does not fit; here anything but a fitting integer throws.
+std::int64_t int64_at(const ojson& object, const char* key) {
+  const ojson& v = object.at(key);
+  if (!v.is_number_integer() ||
+      (v.is_number_unsigned() &&
+       v.get<std::uint64_t>() >
+           static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))) {
+    throw std::runtime_error(fmt::format("\"{}\" is not a signed 64-bit integer", key));
+  }
+  return v.get<std::int64_t>();
+}
+
+std::uint64_t uint64_at(const ojson& object, const char* key) {
+  const ojson& v = object.at(key);
+  if (!v.is_number_unsigned()) {
+    throw std::runtime_error(fmt::format("\"{}\" is not an unsigned 64-bit integer", key));
+  }
+  return v.get<std::uint64_t>();
+}
 
 std::string tail_prefix() { return fmt::format(",\n  \"{}\": \"", kManifestChecksumKey); }
 constexpr std::string_view kTailSuffix = "\"\n}\n";
@@ -88,6 +118,10 @@ Manifest parse_manifest(std::string_view bytes, const std::string& path, Problem
                     path, bytes.substr(digits_at, kChecksumHexLength), checksum_hex(actual)));
     if (!problems.collecting()) return m;
   }
+  if (!json_depth_within(bytes)) {
+    problems.add(fmt::format("{}: the manifest nests deeper than {} levels", path, kMaxJsonDepth));
+    return m;
+  }
   ojson root;
   try {
     root = ojson::parse(bytes);
@@ -96,11 +130,11 @@ Manifest parse_manifest(std::string_view bytes, const std::string& path, Problem
     return m;
   }
   auto bad = [&](const std::string& why) { problems.add(fmt::format("{}: {}", path, why)); };
-  if (!root.is_object() || root.value("format", "") != kManifestFormatName) {
+  if (!root.is_object() || string_field(root, "format") != kManifestFormatName) {
     bad("not a torchpoint manifest (no \"format\": \"torchpoint-checkpoint\")");
     return m;
   }
-  std::string version = root.value("format_version", "");
+  std::string version = string_field(root, "format_version");
   if (std::sscanf(version.c_str(), "%d.%d", &m.version_major, &m.version_minor) != 2 ||
       m.version_major < 1) {
     bad(fmt::format("invalid format_version '{}'", version));
@@ -116,9 +150,9 @@ Manifest parse_manifest(std::string_view bytes, const std::string& path, Problem
   try {
     m.torchpoint_version = root.value("torchpoint_version", "");
     m.libtorch_version = root.value("libtorch_version", "");
-    m.created_unix_ms = root.value("created_unix_ms", std::int64_t{0});
-    m.info.step = root.at("step").get<std::int64_t>();
-    m.info.iteration = root.at("iteration").get<std::int64_t>();
+    m.created_unix_ms = root.contains("created_unix_ms") ? int64_at(root, "created_unix_ms") : 0;
+    m.info.step = int64_at(root, "step");
+    m.info.iteration = int64_at(root, "iteration");
     m.info.metadata = root.value("metadata", ojson::object());
     const ojson& files = root.at("files");
     if (!files.is_object()) throw std::runtime_error("\"files\" is not an object");
@@ -126,7 +160,7 @@ Manifest parse_manifest(std::string_view bytes, const std::string& path, Problem
       ManifestFile file;
       file.name = name;
       file.component = f.at("component").get<std::string>();
-      file.size = f.at("size").get<std::uint64_t>();
+      file.size = uint64_at(f, "size");
       auto sum = parse_checksum_hex(f.at("header_xxh3").get<std::string>());
       if (!sum) throw std::runtime_error(fmt::format("malformed header_xxh3 of {}", name));
       file.header_checksum = *sum;
