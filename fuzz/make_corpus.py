@@ -4,13 +4,18 @@ broken on purpose): valid files to start from, and hostile ones that every reade
 with a torchpoint::Error. Checksums are computed with libxxhash through ctypes, so the hostile
 files get past the checksums and reach the check they are about.
 
+The torch_zip inputs are the .pt files of tests/python/write_python_weights.py (written by
+PyTorch, so this step needs python3-torch) and the data.pkl of some of them.
+
 Usage: fuzz/make_corpus.py   (rewrites the generated files; crash regressions stay as they are)
 """
 import ctypes
 import json
 import pathlib
-import shutil
 import struct
+import subprocess
+import tempfile
+import zipfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "tests" / "data" / "fuzz"
@@ -234,6 +239,21 @@ def filename_corpus():
     return {"name_%02d" % i: name.encode() for i, name in enumerate(names)}
 
 
+def torch_zip_corpus():
+    files = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        script = ROOT / "tests" / "python" / "write_python_weights.py"
+        subprocess.run(["/usr/bin/python3", str(script), tmp], check=True,
+                       stdout=subprocess.DEVNULL)
+        for path in sorted(pathlib.Path(tmp).glob("*.pt")):
+            files[path.name] = path.read_bytes()
+        for name in ("bn", "buffers", "ordered", "a_list", "unknown_global", "parameter"):
+            archive = zipfile.ZipFile(pathlib.Path(tmp) / (name + ".pt"))
+            pickle = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
+            files[name + ".pkl"] = archive.read(pickle)
+    return files
+
+
 def write(target, files):
     directory = OUT / target
     directory.mkdir(parents=True, exist_ok=True)
@@ -250,3 +270,7 @@ if __name__ == "__main__":
     write("container", container_corpus())
     write("manifest", manifest_corpus())
     write("filename", filename_corpus())
+    try:
+        write("torch_zip", torch_zip_corpus())
+    except (OSError, subprocess.CalledProcessError) as e:
+        print("torch_zip: left as it is (%s; install python3-torch)" % e)

@@ -42,7 +42,7 @@ fi
 # within 0-40 ms of its start, tuned to the speed of the normal build, so under the sanitizers
 # too few saves commit for its own sanity check (it runs in the normal suite).
 tests=(storage_test fault_test accelerator_test)
-fuzzers=(container_fuzz manifest_fuzz filename_fuzz)
+fuzzers=(container_fuzz manifest_fuzz filename_fuzz torch_zip_fuzz)
 cmake --build build-san --target "${tests[@]}" "${fuzzers[@]}"
 
 # LibTorch is not instrumented: the only leak reported inside it is suppressed (see the file).
