@@ -118,7 +118,8 @@ TEST_P(EveryCallFails, SaveThrowsAndKeepsTheCommittedCheckpoint) {
 INSTANTIATE_TEST_SUITE_P(Errnos, EveryCallFails,
                          ::testing::Values(FaultCase{EIO, false}, FaultCase{ENOSPC, false},
                                            FaultCase{EIO, true}, FaultCase{ENOSPC, true},
-                                           FaultCase{EDQUOT, false}, FaultCase{EFBIG, false}),
+                                           FaultCase{EDQUOT, false}, FaultCase{EFBIG, false},
+                                           FaultCase{EDQUOT, true}, FaultCase{EFBIG, true}),
                          [](const auto& info) {
                            return fmt::format("errno{}_{}", info.param.err,
                                               info.param.persistent ? "persistent" : "transient");
@@ -146,6 +147,64 @@ TEST(Faults, RenameAcrossFileSystemsExplainsItself) {
     EXPECT_NE(std::string(e.what()).find("same file system"), std::string::npos) << e.what();
   }
   EXPECT_EQ(testing::list_sorted(dir.path()), std::vector<std::string>{".lock"});
+}
+
+// The same sweep over a file checkpoint (save_file replaces state.ckpt by rename): after each
+// fault the file holds the old or the new version whole, never anything else.
+TEST(Faults, EveryCallOfAFileSaveFailsInTurn) {
+  TempDir dir;
+  std::string path = dir / "state.ckpt";
+  auto contents = [](int seed) { return components(seed)[0].contents; };
+  save_file(path, contents(0));
+  for (bool persistent : {false, true}) {
+    std::uint64_t failures = 0;
+    for (std::uint64_t n = 1;; ++n) {
+      SCOPED_TRACE(fmt::format("EIO at call {} ({})", n, persistent ? "persistent" : "transient"));
+      FaultEnv env;
+      env.fail_nth(testing::all_ops(), n, EIO, persistent);
+      try {
+        save_file(path, contents(1), env);
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::IOError) << e.what();
+        EXPECT_NE(std::string(e.what()).find("injected"), std::string::npos) << e.what();
+      }
+      expect_no_fsync_retry(env.log());
+      Container now = load_file(path);
+      int seed = now.state["seed"].get<int>();
+      ASSERT_TRUE(seed == 0 || seed == 1);
+      EXPECT_TRUE(testing::bitwise_equal(now.tensors[0].second, contents(seed).tensors[0].second));
+      // The next save without a fault succeeds and leaves no temporary behind.
+      save_file(path, contents(0));
+      EXPECT_EQ(temporaries(dir.path()), std::vector<std::string>{});
+      if (env.faults_fired() == 0) {
+        EXPECT_GE(failures, 8u) << "too few I/O calls were exercised";
+        break;
+      }
+      ++failures;
+      ASSERT_LT(n, 1000u);
+    }
+  }
+}
+
+// mkdir and rename refusing with EEXIST (a name that appeared under us): a clear error, the
+// committed checkpoint kept, no temporary left, and the next save works.
+TEST(Faults, MkdirAndRenameRefusingWithEexist) {
+  for (Op op : {Op::Mkdir, Op::Rename}) {
+    SCOPED_TRACE(testing::op_name(op));
+    TempDir dir;
+    std::string root = dir / "checkpoints";
+    save_directory(root + "/checkpoint_0", components(0));
+    FaultEnv env;
+    env.fail_nth({op}, 1, EEXIST);
+    testing::expect_error([&] { save_directory(root + "/checkpoint_1", components(1), {}, env); },
+                          ErrorCode::IOError, {"checkpoint_1"});
+    EXPECT_EQ(env.faults_fired(), 1u);
+    expect_valid(root + "/checkpoint_0", 0);
+    EXPECT_FALSE(Env::posix().stat(root + "/checkpoint_1").exists);
+    EXPECT_EQ(temporaries(root), std::vector<std::string>{});
+    save_directory(root + "/checkpoint_1", components(1));
+    expect_valid(root + "/checkpoint_1", 1);
+  }
 }
 
 // Thrown by the hook to stop a save dead at a chosen call, as a power cut would.

@@ -85,6 +85,12 @@ TEST(LearnerCrash, KilledAtTwelvePointsRerunsEndBitIdentical) {
                       reference_final);
     EXPECT_EQ(testing::list_sorted(run_dir + "/ckpts"), reference_ckpts);
     EXPECT_FALSE(Env::posix().stat(run_dir + "/state.ckpt").exists);
+    // A save cut by the kill left a temporary; the rerun's saves swept it.
+    for (const std::string& where : {run_dir, run_dir + "/ckpts"}) {
+      for (const std::string& name : testing::list_sorted(where)) {
+        EXPECT_EQ(name.find(".tmp-"), std::string::npos) << where << "/" << name;
+      }
+    }
   }
 }
 

@@ -62,6 +62,10 @@ std::string read_manifest_bytes(Env& env, const std::string& manifest_path, Prob
 }  // namespace
 
 void save_file(const std::string& path, const Container& contents, Env& env) {
+  // What a killed or failed earlier save of this file left behind (a SIGKILLed auto_resume
+  // leaves a whole temporary copy of the state).
+  std::string parent = parent_path(path);
+  remove_stale_temporaries(env, parent.empty() ? "." : parent, base_name(path));
   PendingFile pending(env, path);
   write_container(env, pending.temp_path(), contents);
   pending.commit();

@@ -108,9 +108,15 @@ ProjectLock::ProjectLock(Env& env, const std::string& dir)
     : lock_(env.lock(join_path(dir, kLockFileName))) {}
 
 std::vector<std::string> remove_stale_temporaries(Env& env, const std::string& dir) {
+  return remove_stale_temporaries(env, dir, "");
+}
+
+std::vector<std::string> remove_stale_temporaries(Env& env, const std::string& dir,
+                                                  const std::string& final_name) {
   std::vector<std::string> removed;
   for (const std::string& name : env.list_dir(dir)) {
     if (!is_temp_name(name)) continue;
+    if (!final_name.empty() && name.rfind(final_name + ".tmp-", 0) != 0) continue;
     // A temporary of another live process may belong to a save in progress (a single-file save
     // takes no lock); one of this process is stale unless a live Pending* object owns it.
     std::optional<int> pid = temp_name_pid(name);

@@ -82,6 +82,10 @@ class ProjectLock {
 // process no longer exists) or abandoned by a failed cleanup in this process. Call it while
 // holding the directory's ProjectLock. Returns the names removed.
 std::vector<std::string> remove_stale_temporaries(Env& env, const std::string& dir);
+// The same, limited to the temporaries of one final name in `dir` (those of save_file(path),
+// which takes no lock: another process's save of another file there is left alone).
+std::vector<std::string> remove_stale_temporaries(Env& env, const std::string& dir,
+                                                  const std::string& final_name);
 
 // Writes `bytes` to a temporary sibling of `path`, syncs it and commits it with PendingFile:
 // `path` then holds the new bytes whole, or (on error) what it held before.
