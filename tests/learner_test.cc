@@ -697,6 +697,58 @@ TEST(Learner, ADatasetAndTheSameTensorsTrainIdentically) {
       same_bits(a.records.values("train", "loss")[1], c.records.values("train", "loss")[1]));
 }
 
+// A learner checkpoint of format version 1, committed under tests/data/golden_v1 (rewrite it
+// with TORCHPOINT_WRITE_GOLDEN=1 only when the format changes on purpose). Every later version
+// must resume from it to the same records and weights as a run that was never stopped.
+TEST(Learner, GoldenV1LearnerCheckpointResumesBitIdentically) {
+  const char* src = std::getenv("TORCHPOINT_SOURCE_DIR");
+  ASSERT_NE(src, nullptr) << "TORCHPOINT_SOURCE_DIR is set by CTest";
+  const std::string golden = std::string(src) + "/tests/data/golden_v1/learner_epoch2.ckpt";
+  auto data = testing::seed_data(64);
+  struct SaveAt : Callback {
+    explicit SaveAt(std::string p) : Callback("save_at"), path(std::move(p)) {}
+    int order() const override { return 2000; }
+    std::string path;
+    void on_epoch_end(Context& ctx) override {
+      if (ctx.epoch == 2 && !path.empty()) ctx.learner->save_checkpoint(path);
+    }
+  };
+  const bool rewrite = std::getenv("TORCHPOINT_WRITE_GOLDEN") != nullptr;
+  auto reference = testing::dropout_learner();
+  FitResult expected =
+      reference->fit({data.x, data.y},
+                     quiet(3)
+                         .seed(3)
+                         .metrics({metrics::mae()})
+                         .callbacks({callbacks::early_stopping().monitor("train_loss").patience(9),
+                                     std::make_shared<SaveAt>(rewrite ? golden : "")}));
+
+  TempDir dir;
+  testing::write_bytes(dir / "state.ckpt", testing::read_bytes(golden));
+  auto resumed = testing::dropout_learner(/*init_seed=*/8);
+  FitResult got = resumed->fit(
+      {data.x, data.y},
+      quiet(3)
+          .seed(3)
+          .metrics({metrics::mae()})
+          .callbacks({callbacks::early_stopping().monitor("train_loss").patience(9),
+                      std::make_shared<SaveAt>(""), callbacks::auto_resume(dir / "state.ckpt")}));
+  EXPECT_EQ(got.resumed_after_epoch, std::optional<std::int64_t>(2));
+  expect_same_records(got.records, expected.records);
+  expect_same_weights(*resumed, *reference);
+}
+
+TEST(Learner, ALearnerCheckpointOfANewerVersionIsRefusedNamingBoth) {
+  TempDir dir;
+  StateDict state;
+  state.set("learner.format", "torchpoint.learner");
+  state.set("learner.version", 2);
+  save_file(dir / "future.ckpt", state.to_container());
+  auto learner = testing::linear_learner();
+  expect_error([&] { load_checkpoint(*learner, dir / "future.ckpt"); }, ErrorCode::Incompatible,
+               {"version 2", "newer than this torchpoint reads (1)", "upgrade"});
+}
+
 TEST(Learner, FitDataChecksItsTensors) {
   expect_error(
       [] {
