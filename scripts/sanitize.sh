@@ -14,20 +14,7 @@ packages=(
   clang libclang-rt-14-dev llvm-14 cmake ninja-build
   libtorch-dev nlohmann-json3-dev libxxhash-dev libfmt-dev googletest libgtest-dev
 )
-missing=()
-for p in "${packages[@]}"; do
-  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
-    missing+=("$p")
-  fi
-done
-if ((${#missing[@]} > 0)); then
-  echo "sanitize: installing ${missing[*]}"
-  sudo=""
-  if [[ $(id -u) -ne 0 ]]; then sudo="sudo"; fi
-  export DEBIAN_FRONTEND=noninteractive
-  $sudo apt-get update -q
-  $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
-fi
+scripts/ensure_packages.sh sanitize --no-install-recommends "${packages[@]}"
 
 # -O1 keeps the sanitizers' slowdown small (at -O0 the fault tests take 4x longer and the
 # fuzzers run 5x fewer inputs); line tables are enough for symbolized reports.

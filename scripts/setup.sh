@@ -10,20 +10,7 @@ packages=(
   libtorch-dev nlohmann-json3-dev libxxhash-dev libfmt-dev libcli11-dev
   googletest libgtest-dev libbenchmark-dev
 )
-missing=()
-for p in "${packages[@]}"; do
-  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
-    missing+=("$p")
-  fi
-done
-if ((${#missing[@]} > 0)); then
-  echo "setup: installing ${missing[*]}"
-  sudo=""
-  if [[ $(id -u) -ne 0 ]]; then sudo="sudo"; fi
-  export DEBIAN_FRONTEND=noninteractive
-  $sudo apt-get update -q
-  $sudo apt-get install -y -q "${missing[@]}"
-fi
+scripts/ensure_packages.sh setup "${packages[@]}"
 
 if [[ ! -f build/build.ninja ]]; then
   cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo
