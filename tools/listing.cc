@@ -4,7 +4,6 @@
 #include <sys/stat.h>
 
 #include <algorithm>
-#include <cctype>
 
 #include "checkpoint_view.h"
 #include "format/container.h"
@@ -28,15 +27,6 @@ bool ends_with(const std::string& s, std::string_view suffix) {
 
 bool is_file_checkpoint_name(const std::string& name) {
   return ends_with(name, ".ckpt") || ends_with(name, kContainerExtension);
-}
-
-std::optional<std::uint64_t> first_number(const std::string& name) {
-  auto digit = [](char c) { return std::isdigit(static_cast<unsigned char>(c)) != 0; };
-  auto begin = std::find_if(name.begin(), name.end(), digit);
-  if (begin == name.end()) return std::nullopt;
-  auto end = std::find_if_not(begin, name.end(), digit);
-  if (end - begin > 18) return std::nullopt;  // would not fit; such a name carries no order
-  return std::stoull(std::string(begin, end));
 }
 
 // The final name a temporary stands for ("checkpoint_3" for "checkpoint_3.tmp-12-ab").

@@ -99,4 +99,18 @@ std::string base_name(std::string_view path) {
   return std::string(slash == std::string_view::npos ? path : path.substr(slash + 1));
 }
 
+std::optional<std::uint64_t> first_number(std::string_view name, std::size_t from) {
+  auto digit = [](char c) { return c >= '0' && c <= '9'; };
+  std::size_t begin = from;
+  while (begin < name.size() && !digit(name[begin])) ++begin;
+  if (begin >= name.size()) return std::nullopt;
+  std::size_t end = begin;
+  while (end < name.size() && digit(name[end])) ++end;
+  if (end - begin > 18) return std::nullopt;  // would not fit; such a name carries no order
+  std::uint64_t value = 0;
+  for (std::size_t i = begin; i < end; ++i)
+    value = value * 10 + static_cast<std::uint64_t>(name[i] - '0');
+  return value;
+}
+
 }  // namespace torchpoint

@@ -18,6 +18,11 @@ std::string checkpoint_name(std::uint64_t number);
 // 7 for "checkpoint_7"; nullopt for anything else ("checkpoint_07", "checkpoint_7.tmp-…").
 std::optional<std::uint64_t> parse_checkpoint_name(std::string_view name);
 
+// The first run of digits in `name` at or after `from`, as a number ("epoch-03-loss-1.2.ckpt"
+// gives 3): the order of file checkpoints whose names carry a number. nullopt when there is
+// none, or when it has more than 18 digits.
+std::optional<std::uint64_t> first_number(std::string_view name, std::size_t from = 0);
+
 // A fresh temporary sibling name for `final_name`: "<final_name>.tmp-<pid>-<random hex>".
 std::string temp_name(std::string_view final_name);
 // True for names made by temp_name().

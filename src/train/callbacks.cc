@@ -4,7 +4,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -181,14 +180,8 @@ class ModelCheckpoint final : public Callback {
 // The epoch number in a checkpoint file name: after "epoch-" or "epoch_" if present, else the
 // first number. Names without a number sort first.
 std::optional<std::uint64_t> epoch_number(const std::string& name) {
-  auto digit = [](char c) { return std::isdigit(static_cast<unsigned char>(c)) != 0; };
-  std::size_t start = name.find("epoch");
-  std::size_t from = start == std::string::npos ? 0 : start;
-  auto begin = std::find_if(name.begin() + static_cast<std::ptrdiff_t>(from), name.end(), digit);
-  if (begin == name.end()) return std::nullopt;
-  auto end = std::find_if_not(begin, name.end(), digit);
-  if (end - begin > 18) return std::nullopt;
-  return std::stoull(std::string(begin, end));
+  std::size_t at = name.find("epoch");
+  return first_number(name, at == std::string::npos ? 0 : at);
 }
 
 class ResumeFromCheckpoint final : public Callback {
