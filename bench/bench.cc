@@ -30,6 +30,7 @@
 #include <thread>
 #include <vector>
 
+#include "torchpoint/optimizer_state.h"
 #include "torchpoint/tensor_file.h"
 
 namespace {
@@ -422,14 +423,10 @@ State make_s2(bool quick) {
   for (const auto& item : params) {
     s.data.tensors.emplace_back("model." + item.key(), item.value().detach());
   }
-  for (const auto& item : params) {
-    // Optimizer state is keyed by the parameter's TensorImpl address in LibTorch 1.13.
-    auto& any = adam.state().at(c10::guts::to_string(item.value().unsafeGetTensorImpl()));
-    auto& st = static_cast<torch::optim::AdamParamState&>(*any);
-    std::string prefix = "optim." + item.key();
-    s.data.tensors.emplace_back(prefix + ".exp_avg", st.exp_avg());
-    s.data.tensors.emplace_back(prefix + ".exp_avg_sq", st.exp_avg_sq());
-    s.data.tensors.emplace_back(prefix + ".step", torch::scalar_tensor(st.step(), torch::kInt64));
+  // The Adam state by parameter position: exp_avg, exp_avg_sq and step of every parameter.
+  torchpoint::StateDict optim = torchpoint::optimizer_state_dict(adam);
+  for (const std::string& key : optim.keys()) {
+    if (optim.is_tensor(key)) s.data.tensors.emplace_back("optim." + key, optim.tensor(key));
   }
   finish_state(s);
   std::int64_t numel = 0;

@@ -1,18 +1,31 @@
 #!/usr/bin/env bash
-# Installs what torchpoint needs on Debian 12 (only the packages that are missing), then
-# configures and builds it in ./build. Safe to run again: it only redoes what changed.
+# Installs what torchpoint needs on Debian 12 (only the packages that are missing) and the
+# project venv (.venv: the pinned torch 2.13 wheel, safetensors, numpy), then configures and
+# builds it in ./build. Safe to run again: it only redoes what changed.
+#
+# LibTorch: by default the C++ libraries of the venv's torch wheel (LibTorch 2.13). To build
+# against another LibTorch (a pytorch.org zip, a source build), set Torch_DIR to the folder
+# holding TorchConfig.cmake, or CMAKE_PREFIX_PATH to the LibTorch folder, before running.
 # Usage: scripts/setup.sh [cmake --build targets...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(
-  g++ cmake ninja-build ccache python3 python3-torch
-  libtorch-dev nlohmann-json3-dev libxxhash-dev libfmt-dev libcli11-dev
+  g++ cmake ninja-build ccache python3 python3-venv
+  nlohmann-json3-dev libxxhash-dev libfmt-dev libcli11-dev
   googletest libgtest-dev libbenchmark-dev
 )
 scripts/ensure_packages.sh setup "${packages[@]}"
+python=$(scripts/venv.sh)
 
-if [[ ! -f build/build.ninja ]]; then
-  cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo
+# Debian's cmake: the one first on PATH may be a newer one from pip.
+cmake=/usr/bin/cmake
+torch_args=()
+if [[ -n ${Torch_DIR:-} ]]; then
+  torch_args=("-DTorch_DIR=$Torch_DIR")
+elif [[ -z ${CMAKE_PREFIX_PATH:-} ]]; then
+  torch_args=("-DTorch_DIR=$("$python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')/Torch")
 fi
-cmake --build build ${1:+--target "$@"}
+"$cmake" -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  "-DTORCHPOINT_PYTHON=$python" "${torch_args[@]}"
+"$cmake" --build build ${1:+--target "$@"}

@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-ctest --test-dir build --output-on-failure --timeout 900 -j "$(nproc)"
+/usr/bin/ctest --test-dir build --output-on-failure --timeout 900 -j "$(nproc)"

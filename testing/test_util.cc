@@ -91,4 +91,10 @@ std::vector<std::string> list_sorted(const std::string& dir) {
   return names;
 }
 
+std::string python() {
+  const char* from_env = std::getenv("TORCHPOINT_PYTHON");
+  std::string path = from_env && *from_env ? from_env : TORCHPOINT_PYTHON;
+  return "'" + path + "'";
+}
+
 }  // namespace torchpoint::testing

@@ -51,6 +51,11 @@ bool bitwise_equal(const at::Tensor& a, const at::Tensor& b);
 // A deterministic tensor of any supported dtype with varied values, seeded by `seed`.
 at::Tensor make_tensor(c10::ScalarType dtype, std::vector<std::int64_t> shape, std::uint64_t seed);
 
+// The Python that runs the tests' independent judges (torch 2.13, safetensors, numpy: the
+// project venv that scripts/setup.sh makes), as a quoted shell word. TORCHPOINT_PYTHON in the
+// environment overrides the one the build was configured with.
+std::string python();
+
 std::string read_bytes(const std::string& path);
 void write_bytes(const std::string& path, const std::string& bytes);
 // Flips bit `bit` of byte `offset` in place.

@@ -798,11 +798,11 @@ void expect_python_loads(const std::string& pt, const StateDict& component,
   std::ofstream(json_path) << expected_export(component).dump();
   ASSERT_FALSE(source_dir().empty()) << "TORCHPOINT_SOURCE_DIR is set by CTest";
   TempDir scratch;
-  Result py = run_command(fmt::format("/usr/bin/python3 {} {} {}",
+  Result py = run_command(fmt::format("{} {} {} {}", testing::python(),
                                       quote(source_dir() + "/tests/python/export_check.py"),
                                       quote(pt), quote(json_path)),
                           scratch / "stderr");
-  EXPECT_EQ(py.status, 0) << "export_check.py failed (it needs python3-torch):\n"
+  EXPECT_EQ(py.status, 0) << "export_check.py failed (it runs with the project venv's torch):\n"
                           << py.out << py.err;
   EXPECT_NE(py.out.find("ok:"), std::string::npos) << py.out;
 }

@@ -25,8 +25,8 @@ class FromPython : public ::testing::Test {
     dir_ = new testing::TempDir();
     const char* src = std::getenv("TORCHPOINT_SOURCE_DIR");
     if (src == nullptr) return;
-    std::string cmd = fmt::format("/usr/bin/python3 {}/tests/python/write_python_weights.py {}",
-                                  src, dir_->path());
+    std::string cmd = fmt::format("{} {}/tests/python/write_python_weights.py {}",
+                                  testing::python(), src, dir_->path());
     int rc = std::system(cmd.c_str());
     script_ok_ = WIFEXITED(rc) && WEXITSTATUS(rc) == 0;
   }
@@ -38,8 +38,8 @@ class FromPython : public ::testing::Test {
   void SetUp() override {
     ASSERT_NE(std::getenv("TORCHPOINT_SOURCE_DIR"), nullptr);
     ASSERT_TRUE(script_ok_)
-        << "tests/python/write_python_weights.py failed: install python3-torch (scripts/setup.sh "
-           "does)";
+        << "tests/python/write_python_weights.py failed: it needs the project venv's torch (scripts/setup.sh "
+           "makes it; TORCHPOINT_PYTHON overrides it)";
     std::ifstream in(path("expected.json"));
     expected_ = nlohmann::json::parse(in);
     std::ifstream tensors(path("tensors.json"));

@@ -1,5 +1,5 @@
 // LR schedulers: the learning rates equal PyTorch's own schedulers' bit for bit (the reference
-// comes from running them through /usr/bin/python3), a run saved and restored at any step
+// comes from running them through the project venv's torch), a run saved and restored at any step
 // continues exactly, and bad states are refused with a clear error.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -60,14 +60,22 @@ std::unique_ptr<optim::Optimizer> make_optimizer(const std::string& kind, torch:
     groups.emplace_back(params[i], options_for(kind, lrs[i]));
   }
   const double lr = lrs[0];
-  if (kind == "SGD")
-    return std::make_unique<optim::SGD>(groups, optim::SGDOptions(lr).momentum(0.9));
-  if (kind == "Adam") return std::make_unique<optim::Adam>(groups, optim::AdamOptions(lr));
-  if (kind == "AdamW") return std::make_unique<optim::AdamW>(groups, optim::AdamWOptions(lr));
-  if (kind == "RMSprop") {
-    return std::make_unique<optim::RMSprop>(groups, optim::RMSpropOptions(lr).momentum(0.5));
+  std::unique_ptr<optim::Optimizer> optimizer;
+  if (kind == "SGD") {
+    optimizer = std::make_unique<optim::SGD>(groups, optim::SGDOptions(lr).momentum(0.9));
+  } else if (kind == "Adam") {
+    optimizer = std::make_unique<optim::Adam>(groups, optim::AdamOptions(lr));
+  } else if (kind == "AdamW") {
+    optimizer = std::make_unique<optim::AdamW>(groups, optim::AdamWOptions(lr));
+  } else if (kind == "RMSprop") {
+    optimizer = std::make_unique<optim::RMSprop>(groups, optim::RMSpropOptions(lr).momentum(0.5));
+  } else {
+    optimizer = std::make_unique<optim::Adagrad>(groups, optim::AdagradOptions(lr));
   }
-  return std::make_unique<optim::Adagrad>(groups, optim::AdagradOptions(lr));
+  // LibTorch 2.x replaces a group's option that equals the class default (Adam's lr 0.001)
+  // with the optimizer's own ("merge by comparison"); PyTorch keeps the group's. Set them again.
+  for (std::size_t i = 0; i < lrs.size(); ++i) optimizer->param_groups()[i].options().set_lr(lrs[i]);
+  return optimizer;
 }
 
 // SGD's or RMSprop's momentum, Adam's or AdamW's beta1; nullptr for Adagrad.
@@ -172,7 +180,7 @@ std::optional<std::vector<Sample>> pytorch_reference(const Case& c, std::string&
   if (!c.metrics.empty()) spec["metrics"] = c.metrics;
   // JSON numbers print exactly, and the JSON text holds no single quote.
   std::string command =
-      fmt::format("/usr/bin/python3 '{}' '{}' 2>&1", reference_script(), spec.dump());
+      fmt::format("{} '{}' '{}' 2>&1", tp::testing::python(), reference_script(), spec.dump());
   FILE* pipe = popen(command.c_str(), "r");
   if (pipe == nullptr) {
     error = "popen failed for: " + command;
@@ -185,9 +193,9 @@ std::optional<std::vector<Sample>> pytorch_reference(const Case& c, std::string&
   const int rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   if (rc == 3 || rc == 126 || rc == 127) {
     error = fmt::format(
-        "/usr/bin/python3 cannot run PyTorch, which these tests compare against: install "
-        "python3-torch (apt-get install python3-torch).\nOutput:\n{}",
-        output);
+        "{} cannot run PyTorch, which these tests compare against: make the project venv "
+        "(scripts/venv.sh) or set TORCHPOINT_PYTHON.\nOutput:\n{}",
+        tp::testing::python(), output);
     return std::nullopt;
   }
   if (rc != 0) {

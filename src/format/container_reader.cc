@@ -11,6 +11,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "compat/torch_compat.h"
 #include "format/checksum.h"
 #include "format/container.h"
 #include "format/json_depth.h"
@@ -76,8 +77,10 @@ bool parse_entry(const std::string& name, const nlohmann::json& value, const std
   auto dtype = dtype_from_name(dtype_name, &unsupported);
   if (!dtype) {
     if (unsupported) {
-      problems.add(fmt::format("{}: tensor '{}' has dtype {}, which LibTorch 1.13 cannot hold",
-                               path, name, dtype_name),
+      problems.add(fmt::format("{}: tensor '{}' has dtype {}, which LibTorch {} cannot hold; "
+                               "read it with a newer LibTorch (2.3 or later has every "
+                               "safetensors dtype)",
+                               path, name, dtype_name, compat::torch_version()),
                    ErrorCode::Unsupported);
       return false;
     }

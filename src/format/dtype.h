@@ -21,8 +21,8 @@ struct DtypeInfo {
 const DtypeInfo& dtype_info(c10::ScalarType type, std::string_view tensor_name);
 
 // The dtype named `name`. nullopt when the name is not a safetensors dtype at all;
-// `*known_unsupported` is set when safetensors names it but LibTorch 1.13 cannot hold it
-// (U16, U32, U64, F8_E4M3, F8_E5M2).
+// `*known_unsupported` is set when safetensors names it but the running LibTorch cannot hold
+// it (U16, U32, U64, F8_E4M3 and F8_E5M2 under LibTorch 1.13).
 std::optional<DtypeInfo> dtype_from_name(std::string_view name, bool* known_unsupported);
 
 }  // namespace torchpoint

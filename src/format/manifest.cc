@@ -1,11 +1,11 @@
 #include "format/manifest.h"
 
 #include <fmt/format.h>
-#include <torch/csrc/api/include/torch/version.h>
 
 #include <cstring>
 #include <limits>
 
+#include "compat/torch_compat.h"
 #include "format/checksum.h"
 #include "format/json_depth.h"
 #include "io/filename.h"
@@ -54,9 +54,7 @@ constexpr std::string_view kTailSuffix = "\"\n}\n";
 }  // namespace
 
 std::string torchpoint_version() { return TORCHPOINT_VERSION; }
-std::string libtorch_version() {
-  return fmt::format("{}.{}.{}", TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH);
-}
+std::string libtorch_version() { return compat::torch_version(); }
 
 std::string serialize_manifest(const Manifest& m) {
   ojson files = ojson::object();

@@ -13,6 +13,7 @@
 
 #include <functional>
 
+#include "compat/torch_compat.h"
 #include "torchpoint/error.h"
 
 namespace torchpoint {
@@ -20,9 +21,7 @@ namespace {
 
 namespace optim = torch::optim;
 
-std::string state_key(const at::Tensor& param) {
-  return c10::guts::to_string(param.unsafeGetTensorImpl());
-}
+using compat::optimizer_state_key;
 
 // The per-parameter state of one optimizer type, as StateDict entries and back.
 struct Codec {
@@ -351,7 +350,7 @@ StateDict optimizer_state_dict(const optim::Optimizer& optimizer) {
   for (std::size_t g = 0; g < groups.size(); ++g) {
     const auto& params = groups[g].params();
     for (std::size_t i = 0; i < params.size(); ++i) {
-      auto it = state.find(state_key(params[i]));
+      auto it = state.find(optimizer_state_key(params[i]));
       if (it == state.end()) continue;  // not stepped yet: no state
       codec.save_state(*it->second, fmt::format("state.{}.{}.", g, i), sd);
     }
@@ -377,7 +376,8 @@ void load_optimizer_state_dict(optim::Optimizer& optimizer, const StateDict& sta
   }
   // Build everything first; the optimizer changes only once all of it succeeded.
   std::vector<std::unique_ptr<optim::OptimizerOptions>> options;
-  std::vector<std::pair<std::string, std::unique_ptr<optim::OptimizerParamState>>> states;
+  std::vector<std::pair<compat::OptimizerStateKey, std::unique_ptr<optim::OptimizerParamState>>>
+      states;
   for (std::size_t g = 0; g < groups.size(); ++g) {
     std::string p = fmt::format("param_groups.{}.", g);
     auto n = state.get<std::int64_t>(p + "num_params");
@@ -392,12 +392,12 @@ void load_optimizer_state_dict(optim::Optimizer& optimizer, const StateDict& sta
     for (std::size_t i = 0; i < params.size(); ++i) {
       std::string sp = fmt::format("state.{}.{}", g, i);
       if (!state.has_child(sp)) continue;
-      states.emplace_back(state_key(params[i]), codec.load_state(state, sp + ".", params[i]));
+      states.emplace_back(optimizer_state_key(params[i]), codec.load_state(state, sp + ".", params[i]));
     }
   }
   auto& live = optimizer.state();
   for (std::size_t g = 0; g < groups.size(); ++g) {
-    for (const at::Tensor& param : groups[g].params()) live.erase(state_key(param));
+    for (const at::Tensor& param : groups[g].params()) live.erase(optimizer_state_key(param));
     groups[g].set_options(std::move(options[g]));
   }
   for (auto& [key, s] : states) live[key] = std::move(s);

@@ -35,9 +35,10 @@ std::vector<Covered> covered_generators(
     const at::CUDAHooksInterface& cuda = at::detail::getCUDAHooks();
     const int devices = cuda.getNumGPUs();
     for (int i = 0; i < devices; ++i) {
+      c10::Device device(c10::kCUDA, static_cast<c10::DeviceIndex>(i));
       out.push_back({fmt::format("{}{}", kCudaPrefix, i),
                      fmt::format("default generator of CUDA device {}", i),
-                     cuda.getDefaultCUDAGenerator(static_cast<c10::DeviceIndex>(i))});
+                     at::globalContext().defaultGenerator(device)});
     }
   }
   for (const auto& [name, generator] : registered) {

@@ -17,6 +17,7 @@
 #include <set>
 
 #include "torchpoint/error.h"
+#include "compat/torch_compat.h"
 #include "train/fit_run.h"
 #include "train/progress.h"
 
@@ -316,7 +317,7 @@ FitResult Learner::fit(const FitData& data, const FitOptions& options) {
       ctx.pred = at::Tensor();
       ctx.loss = at::Tensor();
       run.each("on_train_batch_begin", &Callback::on_train_batch_begin);
-      optimizer_->zero_grad();
+      compat::zero_grad(*optimizer_);
       ctx.pred = forward_(ctx.input);
       run.each("on_train_batch_after_pred", &Callback::on_train_batch_after_pred);
       ctx.loss = loss_(ctx.pred, ctx.target);

@@ -19,8 +19,8 @@ import warnings
 try:
     import torch
 except ImportError as e:
-    sys.stderr.write("lr_reference.py: cannot import torch ({}): install python3-torch "
-                     "(apt-get install python3-torch)\n".format(e))
+    sys.stderr.write("lr_reference.py: cannot import torch ({}): run it with the project "
+                     "venv's python (scripts/venv.sh makes it)\n".format(e))
     sys.exit(3)
 
 # Calling scheduler.step() without optimizer.step() in between only warns.
