@@ -1,10 +1,11 @@
 // Weights from Python: files written by `torch.save(model.state_dict(), path)` and
 // `.safetensors` files written by other tools, ready to load into a LibTorch module.
-// (The other direction, a torch.load-able export, is `torchpoint export` and
-// torch::jit::pickle_save of a dict.)
+// And the other direction: save_torch_state_dict writes a file that torch.load reads.
 #pragma once
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "torchpoint/env.h"
 #include "torchpoint/state_dict.h"
@@ -37,6 +38,26 @@ namespace torchpoint {
 //   auto sd = torchpoint::load_torch_state_dict("model.pt");
 //   torchpoint::load_module_state_dict(*model, sd);
 StateDict load_torch_state_dict(const std::string& path, Env& env = Env::posix());
+
+// Writes `tensors` as Python's torch.save writes a dict of tensors, so that `torch.load(path)`
+// returns {name: tensor} in this order with PyTorch 2.6's default weights_only=True as well as
+// with weights_only=False (only globals the weights-only unpickler allows are used) and
+// load_torch_state_dict reads it back. Every dtype torch.save writes: those of
+// load_torch_state_dict, and uint16/32/64 and float8 where LibTorch has them. Each tensor is
+// written contiguous, on the CPU, with its own storage (views of one buffer are not shared in
+// the file), without requires_grad. The file is committed atomically: `path` holds the new
+// file whole or what it held before. Throws InvalidArgument for an undefined tensor,
+// Unsupported for a dtype torch.save cannot hold (complex, quantized...), IOError on a failed
+// write.
+//
+// Example:
+//   torchpoint::save_torch_state_dict("model.pt", {{"fc.weight", fc->weight}});
+//   // Python: torch.load("model.pt")["fc.weight"]
+void save_torch_state_dict(const std::string& path,
+                           const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                           Env& env = Env::posix());
+// The bytes save_torch_state_dict writes.
+std::string torch_state_dict_bytes(const std::vector<std::pair<std::string, at::Tensor>>& tensors);
 
 // Any safetensors file. A torchpoint file is fully verified (as load_file does); a file from
 // another writer has no checksums, so only its structure is checked (every offset, shape and

@@ -8,6 +8,7 @@
 #include <unordered_map>
 #include <variant>
 
+#include "compat/torch_compat.h"
 #include "torchpoint/error.h"
 
 namespace torchpoint::detail {
@@ -33,7 +34,14 @@ struct Ref {
 };
 using Value = std::variant<None, bool, std::int64_t, double, Ref>;
 
-enum class Callable { kOrderedDict, kRebuildTensor, kRebuildParameter, kStorageType };
+enum class Callable {
+  kOrderedDict,
+  kRebuildTensor,    // _rebuild_tensor_v2: the dtype is the typed storage's
+  kRebuildTensorV3,  // _rebuild_tensor_v3: an untyped (byte) storage and a dtype argument
+  kRebuildParameter,
+  kStorageType,
+  kDtype,  // torch.uint16, ...: the last argument of _rebuild_tensor_v3
+};
 
 struct Str {
   std::string text;
@@ -72,6 +80,18 @@ constexpr StorageType kStorageTypes[] = {
     {"ShortStorage", c10::ScalarType::Short}, {"CharStorage", c10::ScalarType::Char},
     {"ByteStorage", c10::ScalarType::Byte},   {"BoolStorage", c10::ScalarType::Bool},
 };
+
+// The dtypes torch.save (2.x) writes with _rebuild_tensor_v3, by their Python names, and their
+// safetensors names (which compat maps to this LibTorch's dtype, where it has one).
+struct NewerDtype {
+  std::string_view python;
+  std::string_view safetensors;
+};
+constexpr NewerDtype kNewerDtypes[] = {{"uint16", "U16"},
+                                       {"uint32", "U32"},
+                                       {"uint64", "U64"},
+                                       {"float8_e4m3fn", "F8_E4M3"},
+                                       {"float8_e5m2", "F8_E5M2"}};
 
 class Unpickler {
  public:
@@ -396,6 +416,25 @@ class Unpickler {
     if (module == "torch._utils" && name == "_rebuild_tensor_v2") {
       return {Callable::kRebuildTensor, full};
     }
+    if (module == "torch._utils" && name == "_rebuild_tensor_v3") {
+      return {Callable::kRebuildTensorV3, full};
+    }
+    if (module == "torch.storage" && name == "UntypedStorage") {
+      return {Callable::kStorageType, full, c10::ScalarType::Byte};
+    }
+    if (module == "torch") {
+      for (const NewerDtype& d : kNewerDtypes) {
+        if (d.python != name) continue;
+        auto type = compat::scalar_type_for(d.safetensors);
+        if (!type) {
+          throw Error(ErrorCode::Unsupported,
+                      fmt::format("{}: data.pkl holds a tensor of dtype torch.{}, which LibTorch "
+                                  "{} cannot hold; read the file with LibTorch 2.3 or later",
+                                  where_, name, compat::torch_version()));
+        }
+        return {Callable::kDtype, full, *type};
+      }
+    }
     if (module == "torch._utils" && name == "_rebuild_parameter") {
       return {Callable::kRebuildParameter, full};
     }
@@ -407,8 +446,8 @@ class Unpickler {
     throw Error(ErrorCode::Unsupported,
                 fmt::format("{}: data.pkl refers to the Python global {}, which is not part of a "
                             "state dict of tensors that torchpoint can read (tensors of dtype "
-                            "float32/64, float16, bfloat16, int8/16/32/64, uint8 or bool, in a "
-                            "dict or OrderedDict)",
+                            "float32/64, float16, bfloat16, int8/16/32/64, uint8/16/32/64, "
+                            "float8_e4m3fn/e5m2 or bool, in a dict or OrderedDict)",
                             where_, full));
   }
 
@@ -428,13 +467,16 @@ class Unpickler {
         }
         return make(Dict{{}, true});
       case Callable::kRebuildTensor:
-        return rebuild_tensor(args);
+        return rebuild_tensor(args, /*v3=*/false);
+      case Callable::kRebuildTensorV3:
+        return rebuild_tensor(args, /*v3=*/true);
       case Callable::kRebuildParameter:
         if (args.size() != 3 || as<Tensor>(args[0]) == nullptr) {
           corrupt("_rebuild_parameter takes (tensor, requires_grad, hooks)");
         }
         return args[0];
       case Callable::kStorageType:
+      case Callable::kDtype:
         break;
     }
     throw Error(
@@ -457,14 +499,33 @@ class Unpickler {
   }
 
   // _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad, backward_hooks[,
+  // metadata]), or _rebuild_tensor_v3(untyped storage, ..., backward_hooks, dtype[,
   // metadata]): a view of the storage, checked to stay inside it.
-  Value rebuild_tensor(const std::vector<Value>& args) {
-    if (args.size() != 6 && args.size() != 7) {
-      corrupt(fmt::format("_rebuild_tensor_v2 takes 6 or 7 arguments, not {}", args.size()));
+  Value rebuild_tensor(const std::vector<Value>& args, bool v3) {
+    const std::size_t fixed = v3 ? 7 : 6;
+    if (args.size() != fixed && args.size() != fixed + 1) {
+      corrupt(fmt::format("_rebuild_tensor_v{} takes {} or {} arguments, not {}", v3 ? 3 : 2,
+                          fixed, fixed + 1, args.size()));
     }
     const Storage* storage = as<Storage>(args[0]);
     if (storage == nullptr) corrupt(fmt::format("a tensor's storage is a {}", kind(args[0])));
     at::Tensor data = storage->data;
+    if (v3) {
+      // The storage holds bytes; the tensor's elements are of the dtype argument.
+      const Global* dtype = as<Global>(args[6]);
+      if (dtype == nullptr || dtype->what != Callable::kDtype) {
+        corrupt(fmt::format("_rebuild_tensor_v3's dtype is a {}", kind(args[6])));
+      }
+      if (data.scalar_type() != c10::ScalarType::Byte) {
+        corrupt("_rebuild_tensor_v3 is given a typed storage");
+      }
+      const std::int64_t size = static_cast<std::int64_t>(c10::elementSize(dtype->dtype));
+      if (data.numel() % size != 0) {
+        corrupt(fmt::format("a storage of {} bytes does not hold whole elements of {}",
+                            data.numel(), dtype->name));
+      }
+      data = data.view(dtype->dtype);
+    }
     std::int64_t offset = integer(args[1], "a storage offset");
     std::vector<std::int64_t> sizes = integers(args[2], "a tensor's size");
     std::vector<std::int64_t> strides = integers(args[3], "a tensor's stride");

@@ -1,5 +1,7 @@
-# Installs the built torchpoint into a scratch prefix, then configures, builds and runs the
-# consumer project against it with find_package(torchpoint).
+# Installs the built torchpoint into a scratch prefix, moves the prefix elsewhere (the install
+# must be relocatable), checks that its CMake files name no absolute path, then configures,
+# builds and runs the consumer project against it with find_package(torchpoint), pointing it
+# at the same LibTorch (Torch_DIR) as the README tells users to.
 file(REMOVE_RECURSE ${WORK_DIR})
 file(MAKE_DIRECTORY ${WORK_DIR})
 function(run)
@@ -8,8 +10,16 @@ function(run)
     message(FATAL_ERROR "command failed (${rc}): ${ARGN}")
   endif()
 endfunction()
-run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${WORK_DIR}/prefix)
+run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${WORK_DIR}/installed)
+file(RENAME ${WORK_DIR}/installed ${WORK_DIR}/moved)
+file(GLOB_RECURSE package_files ${WORK_DIR}/moved/*.cmake)
+foreach(f IN LISTS package_files)
+  file(STRINGS ${f} lines REGEX "(${WORK_DIR}|${BUILD_DIR}|${SOURCE_DIR}|\"/usr/)")
+  if(lines)
+    message(FATAL_ERROR "${f} names an absolute path, so the install is not relocatable: ${lines}")
+  endif()
+endforeach()
 run(${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/consumer -B ${WORK_DIR}/build -G ${GENERATOR}
-    -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DCMAKE_BUILD_TYPE=Release)
+    -DCMAKE_PREFIX_PATH=${WORK_DIR}/moved -DTorch_DIR=${TORCH_DIR} -DCMAKE_BUILD_TYPE=Release)
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 run(${WORK_DIR}/build/consumer ${WORK_DIR})

@@ -4,7 +4,9 @@
 Usage:
     export_check.py OUT.pt EXPECTED.json
 
-OUT.pt is loaded with torch.load, which must return a plain dict of str -> torch.Tensor.
+OUT.pt is loaded with torch.load three times: as a new user calls it (weights_only=True, the
+default since PyTorch 2.6), with weights_only=False, and memory-mapped (mmap=True, which needs
+every storage 64-byte aligned in the file). Each must return a plain dict of str -> Tensor.
 EXPECTED.json (written by tests/cli_test.cc from the checkpoint's own tensors) is a list, in
 the checkpoint's order, of
     {"name": "fc.weight", "dtype": "torch.float32", "shape": [2, 3],
@@ -80,12 +82,21 @@ def main(argv):
     try:
         import torch
     except ImportError as e:
-        print("cannot import torch (install python3-torch): %s" % e, file=sys.stderr)
+        print("cannot import torch (run with the project venv's python): %s" % e,
+              file=sys.stderr)
         return 2
     with open(argv[2]) as f:
         expected = json.load(f)
-    loaded = torch.load(argv[1])
-    problems = check(torch, loaded, expected)
+    problems = []
+    for how, kwargs in (("torch.load(path)", {}),
+                        ("weights_only=False", {"weights_only": False}),
+                        ("mmap=True", {"mmap": True, "weights_only": True})):
+        try:
+            loaded = torch.load(argv[1], **kwargs)
+        except Exception as e:  # the message is the finding
+            problems.append("%s failed: %s: %s" % (how, type(e).__name__, e))
+            continue
+        problems += ["%s: %s" % (how, p) for p in check(torch, loaded, expected)]
     for p in problems:
         print("%s: %s" % (argv[1], p))
     if problems:

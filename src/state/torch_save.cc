@@ -1,0 +1,310 @@
+// save_torch_state_dict: a file that Python's torch.load reads, with weights_only=True (the
+// default since PyTorch 2.6) as well as False. LibTorch's own pickler cannot be used for this:
+// it wraps dicts and lists in torch.jit._pickle globals that the weights-only unpickler refuses.
+// So the file is built here from the few pieces torch.save itself uses for a dict of tensors:
+//   archive/data.pkl   a protocol-2 pickle of {name: tensor}, each tensor a
+//                      torch._utils._rebuild_tensor_v2(storage, offset, size, stride, False,
+//                      OrderedDict()) over a typed storage (torch.FloatStorage, ...), or
+//                      _rebuild_tensor_v3(untyped storage, ..., dtype) for the dtypes that
+//                      torch 2.x writes that way (uint16/32/64, float8);
+//   archive/data/<k>   each storage's bytes, little-endian, 64-byte aligned in the file;
+//   archive/version, archive/byteorder
+// in a zip of stored records with a ZIP64 end record, as PyTorch's writer makes it.
+#include <fmt/format.h>
+
+#include <bit>
+#include <cstring>
+#include <limits>
+
+#include "compat/torch_compat.h"
+#include "io/atomic_commit.h"
+#include "state/torch_zip.h"
+#include "torchpoint/error.h"
+#include "torchpoint/interop.h"
+
+namespace torchpoint {
+namespace {
+
+// The pickle opcodes used (Python's pickletools names them).
+constexpr char kProto = '\x80', kEmptyDict = '}', kMark = '(', kBinUnicode = 'X',
+               kGlobal = 'c', kTuple = 't', kEmptyTuple = ')', kBinPersId = 'Q',
+               kBinInt = 'J', kLong1 = '\x8a', kNewFalse = '\x89', kReduce = 'R',
+               kSetItems = 'u', kStop = '.';
+
+struct StorageName {
+  c10::ScalarType type;
+  const char* typed;   // the typed storage class, for _rebuild_tensor_v2
+  const char* dtype;   // the dtype's Python name, for _rebuild_tensor_v3 (nullptr: not used)
+};
+const StorageName* storage_name(c10::ScalarType type) {
+  static const StorageName kNames[] = {
+      {c10::ScalarType::Float, "FloatStorage", nullptr},
+      {c10::ScalarType::Double, "DoubleStorage", nullptr},
+      {c10::ScalarType::Half, "HalfStorage", nullptr},
+      {c10::ScalarType::BFloat16, "BFloat16Storage", nullptr},
+      {c10::ScalarType::Long, "LongStorage", nullptr},
+      {c10::ScalarType::Int, "IntStorage", nullptr},
+      {c10::ScalarType::Short, "ShortStorage", nullptr},
+      {c10::ScalarType::Char, "CharStorage", nullptr},
+      {c10::ScalarType::Byte, "ByteStorage", nullptr},
+      {c10::ScalarType::Bool, "BoolStorage", nullptr},
+  };
+  for (const StorageName& n : kNames) {
+    if (n.type == type) return &n;
+  }
+  return nullptr;
+}
+
+// The Python name of a dtype written with _rebuild_tensor_v3, or nullptr.
+const char* v3_dtype_name(c10::ScalarType type) {
+  struct Named {
+    std::string_view safetensors;
+    const char* python;
+  };
+  static const Named kNames[] = {{"U16", "uint16"},
+                                 {"U32", "uint32"},
+                                 {"U64", "uint64"},
+                                 {"F8_E4M3", "float8_e4m3fn"},
+                                 {"F8_E5M2", "float8_e5m2"}};
+  for (const Named& n : kNames) {
+    if (compat::scalar_type_for(n.safetensors) == type) return n.python;
+  }
+  return nullptr;
+}
+
+class Pickler {
+ public:
+  Pickler() { out_ += {kProto, '\x02'}; }
+  void op(char c) { out_ += c; }
+  void text(std::string_view s) {
+    out_ += kBinUnicode;
+    le(static_cast<std::uint32_t>(s.size()), 4);
+    out_ += s;
+  }
+  void global(std::string_view module, std::string_view name) {
+    out_ += kGlobal;
+    out_ += module;
+    out_ += '\n';
+    out_ += name;
+    out_ += '\n';
+  }
+  void integer(std::int64_t v) {
+    if (v >= std::numeric_limits<std::int32_t>::min() &&
+        v <= std::numeric_limits<std::int32_t>::max()) {
+      out_ += kBinInt;
+      le(static_cast<std::uint32_t>(static_cast<std::int32_t>(v)), 4);
+    } else {
+      out_ += kLong1;  // 8 bytes, two's complement, little-endian
+      out_ += '\x08';
+      le(static_cast<std::uint64_t>(v), 8);
+    }
+  }
+  void ints(c10::IntArrayRef values) {
+    if (values.empty()) return op(kEmptyTuple);
+    op(kMark);
+    for (std::int64_t v : values) integer(v);
+    op(kTuple);
+  }
+  std::string finish() {
+    out_ += kStop;
+    return std::move(out_);
+  }
+
+ private:
+  void le(std::uint64_t v, int bytes) {
+    for (int i = 0; i < bytes; ++i) out_ += static_cast<char>((v >> (8 * i)) & 0xff);
+  }
+  std::string out_;
+};
+
+// A zip of stored (uncompressed) records, each record's data 64-byte aligned, with ZIP64
+// fields wherever a size or offset does not fit 32 bits and always a ZIP64 end record.
+class ZipWriter {
+ public:
+  void add(const std::string& name, std::string_view data) {
+    Entry e{name, out_.size(), data.size(), detail::crc32(data)};
+    const bool zip64 = e.offset >= kMax32 || e.size >= kMax32;
+    // Local header: 30 bytes, the name, a ZIP64 field if needed, then padding to 64 bytes.
+    std::size_t extra = zip64 ? 20 : 0;
+    std::size_t data_at = e.offset + 30 + name.size() + extra + 4;
+    std::size_t pad = (64 - data_at % 64) % 64;
+    extra += 4 + pad;
+    u32(0x04034b50);
+    u16(zip64 ? 45 : 20);  // version needed
+    u16(0);                // flags
+    u16(0);                // stored
+    u16(0);                // time
+    u16(0x21);             // date: 1980-01-01
+    u32(e.crc);
+    u32(zip64 ? kMax32 : e.size);
+    u32(zip64 ? kMax32 : e.size);
+    u16(name.size());
+    u16(extra);
+    out_ += name;
+    if (zip64) {
+      u16(0x0001);
+      u16(16);
+      u64(e.size);
+      u64(e.size);
+    }
+    u16(0x4246);  // "FB": PyTorch's padding field
+    u16(pad);
+    out_.append(pad, 'Z');
+    out_ += data;
+    entries_.push_back(std::move(e));
+  }
+
+  std::string finish() {
+    const std::uint64_t directory_at = out_.size();
+    for (const Entry& e : entries_) {
+      const bool big_size = e.size >= kMax32, big_offset = e.offset >= kMax32;
+      const std::uint16_t extra = (big_size ? 16 : 0) + (big_offset ? 8 : 0);
+      u32(0x02014b50);
+      u16(45);  // made by
+      u16(extra ? 45 : 20);
+      u16(0);
+      u16(0);
+      u16(0);
+      u16(0x21);
+      u32(e.crc);
+      u32(big_size ? kMax32 : e.size);
+      u32(big_size ? kMax32 : e.size);
+      u16(e.name.size());
+      u16(extra ? extra + 4 : 0);
+      u16(0);  // comment
+      u16(0);  // disk
+      u16(0);  // internal attributes
+      u32(0);  // external attributes
+      u32(big_offset ? kMax32 : e.offset);
+      out_ += e.name;
+      if (extra) {
+        u16(0x0001);
+        u16(extra);
+        if (big_size) {
+          u64(e.size);
+          u64(e.size);
+        }
+        if (big_offset) u64(e.offset);
+      }
+    }
+    const std::uint64_t directory_size = out_.size() - directory_at;
+    const std::uint64_t end64_at = out_.size();
+    u32(0x06064b50);  // ZIP64 end of central directory record
+    u64(44);
+    u16(45);
+    u16(45);
+    u32(0);
+    u32(0);
+    u64(entries_.size());
+    u64(entries_.size());
+    u64(directory_size);
+    u64(directory_at);
+    u32(0x07064b50);  // its locator
+    u32(0);
+    u64(end64_at);
+    u32(1);
+    u32(0x06054b50);  // end of central directory
+    u16(0);
+    u16(0);
+    u16(std::min<std::size_t>(entries_.size(), 0xffff));
+    u16(std::min<std::size_t>(entries_.size(), 0xffff));
+    u32(std::min<std::uint64_t>(directory_size, kMax32));
+    u32(std::min<std::uint64_t>(directory_at, kMax32));
+    u16(0);
+    return std::move(out_);
+  }
+
+ private:
+  static constexpr std::uint64_t kMax32 = 0xffffffffu;
+  struct Entry {
+    std::string name;
+    std::uint64_t offset;
+    std::uint64_t size;
+    std::uint32_t crc;
+  };
+  void le(std::uint64_t v, int bytes) {
+    for (int i = 0; i < bytes; ++i) out_ += static_cast<char>((v >> (8 * i)) & 0xff);
+  }
+  void u16(std::uint64_t v) { le(v, 2); }
+  void u32(std::uint64_t v) { le(v, 4); }
+  void u64(std::uint64_t v) { le(v, 8); }
+  std::string out_;
+  std::vector<Entry> entries_;
+};
+
+}  // namespace
+
+std::string torch_state_dict_bytes(const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+  static_assert(std::endian::native == std::endian::little, "storages are written little-endian");
+  Pickler pickle;
+  pickle.op(kEmptyDict);
+  pickle.op(kMark);
+  std::vector<at::Tensor> storages;
+  for (const auto& [name, value] : tensors) {
+    if (!value.defined()) {
+      throw Error(ErrorCode::InvalidArgument,
+                  fmt::format("tensor '{}' is undefined: nothing to save", name));
+    }
+    // Its own storage of exactly its bytes: views of one buffer are written apart (as
+    // safetensors does), so a file never holds more bytes than its tensors.
+    at::Tensor t = value.detach().to(at::kCPU).contiguous();
+    const StorageName* typed = storage_name(t.scalar_type());
+    const char* v3 = typed ? nullptr : v3_dtype_name(t.scalar_type());
+    if (!typed && !v3) {
+      throw Error(ErrorCode::Unsupported,
+                  fmt::format("tensor '{}' has dtype {}, which torchpoint cannot write for "
+                              "torch.load; convert it (e.g. .to(torch::kFloat))",
+                              name, c10::toString(t.scalar_type())));
+    }
+    const std::string key = std::to_string(storages.size());
+    pickle.text(name);
+    pickle.global("torch._utils", v3 ? "_rebuild_tensor_v3" : "_rebuild_tensor_v2");
+    pickle.op(kMark);
+    {  // persistent id: ('storage', storage class, key, location, size)
+      pickle.op(kMark);
+      pickle.text("storage");
+      if (v3) {
+        pickle.global("torch.storage", "UntypedStorage");
+      } else {
+        pickle.global("torch", typed->typed);
+      }
+      pickle.text(key);
+      pickle.text("cpu");
+      pickle.integer(v3 ? t.numel() * t.element_size() : t.numel());
+      pickle.op(kTuple);
+      pickle.op(kBinPersId);
+    }
+    pickle.integer(0);
+    pickle.ints(t.sizes());
+    pickle.ints(t.strides());
+    pickle.op(kNewFalse);
+    pickle.global("collections", "OrderedDict");
+    pickle.op(kEmptyTuple);
+    pickle.op(kReduce);
+    if (v3) pickle.global("torch", v3);
+    pickle.op(kTuple);
+    pickle.op(kReduce);
+    storages.push_back(std::move(t));
+  }
+  pickle.op(kSetItems);
+
+  ZipWriter zip;
+  zip.add("archive/data.pkl", pickle.finish());
+  zip.add("archive/byteorder", "little");
+  for (std::size_t i = 0; i < storages.size(); ++i) {
+    const at::Tensor& t = storages[i];
+    zip.add(fmt::format("archive/data/{}", i),
+            std::string_view(static_cast<const char*>(t.data_ptr()),
+                             static_cast<std::size_t>(t.numel() * t.element_size())));
+  }
+  zip.add("archive/version", "3\n");
+  return zip.finish();
+}
+
+void save_torch_state_dict(const std::string& path,
+                           const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                           Env& env) {
+  write_file_atomically(env, path, torch_state_dict_bytes(tensors));
+}
+
+}  // namespace torchpoint
