@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Builds torchpoint with clang, AddressSanitizer and UndefinedBehaviorSanitizer in ./build-san,
-# runs the io/format/checkpoint tests there, then replays the committed fuzz inputs
-# (tests/data/fuzz/<target>/) and fuzzes each parser for FUZZ_SECONDS (default 60) seconds.
-# Any sanitizer report, crash, leak or failed test fails the script. Safe to run again.
+# The second CI leg: LibTorch 1.13 (Debian's libtorch-dev) with clang, AddressSanitizer and
+# UndefinedBehaviorSanitizer, in ./build-san. One build tree serves both purposes: it proves
+# that torchpoint still builds and passes against LibTorch 1.13 (library, CLI, the storage,
+# state, Accelerator and Learner tests, the find_package consumer) and runs that code
+# sanitized. Then it replays the committed fuzz inputs (tests/data/fuzz/<target>/) and fuzzes
+# each parser for FUZZ_SECONDS (default 60) seconds. Any sanitizer report, crash, leak or
+# failed test fails the script. Safe to run again.
 # Usage: scripts/sanitize.sh          FUZZ_SECONDS=600 scripts/sanitize.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,25 +14,28 @@ fuzz_seconds=${FUZZ_SECONDS:-60}
 # clang 14 is Debian 12's; libFuzzer and the sanitizer runtimes come in libclang-rt-14-dev and
 # llvm-symbolizer (readable reports) in llvm-14.
 packages=(
-  clang libclang-rt-14-dev llvm-14 cmake ninja-build
-  libtorch-dev nlohmann-json3-dev libxxhash-dev libfmt-dev googletest libgtest-dev
+  clang libclang-rt-14-dev llvm-14 cmake ninja-build python3 python3-venv
+  libtorch-dev nlohmann-json3-dev libxxhash-dev libfmt-dev libcli11-dev googletest libgtest-dev
 )
 scripts/ensure_packages.sh sanitize --no-install-recommends "${packages[@]}"
+# The tests' judges (torch 2.13, safetensors) run from the project venv whatever LibTorch the
+# C++ side uses: files written under 1.13 are read by the Python of today.
+python=$(scripts/venv.sh)
 
 # -O1 keeps the sanitizers' slowdown small (at -O0 the fault tests take 4x longer and the
 # fuzzers run 5x fewer inputs); line tables are enough for symbolized reports.
 if [[ ! -f build-san/build.ninja ]]; then
-  cmake -S . -B build-san -G Ninja -DCMAKE_CXX_COMPILER=clang++ \
+  /usr/bin/cmake -S . -B build-san -G Ninja -DCMAKE_CXX_COMPILER=clang++ \
     -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -gline-tables-only" \
-    -DTORCHPOINT_SANITIZE=ON -DTORCHPOINT_BUILD_FUZZ=ON -DTORCHPOINT_BUILD_TRAIN=OFF \
-    -DTORCHPOINT_BUILD_TOOLS=OFF \
+    -DTorch_DIR=/usr/lib/x86_64-linux-gnu/cmake/Torch "-DTORCHPOINT_PYTHON=$python" \
+    -DTORCHPOINT_SANITIZE=ON -DTORCHPOINT_BUILD_FUZZ=ON \
     -DTORCHPOINT_BUILD_BENCH=OFF -DTORCHPOINT_BUILD_EXAMPLES=OFF
 fi
 
-# The tests of the io, format and checkpoint layers (crash_test also builds its child).
-tests=(storage_test fault_test crash_test)
+# The tests of every layer (crash_test also builds its child) and the CLI.
+tests=(storage_test fault_test crash_test state_test accelerator_test learner_test)
 fuzzers=(container_fuzz manifest_fuzz filename_fuzz torch_zip_fuzz)
-cmake --build build-san --target "${tests[@]}" "${fuzzers[@]}"
+/usr/bin/cmake --build build-san --target "${tests[@]}" "${fuzzers[@]}" torchpoint_cli
 
 # LibTorch is not instrumented: the only leak reported inside it is suppressed (see the file).
 export ASAN_OPTIONS=strict_string_checks=1:check_initialization_order=1
@@ -68,6 +74,11 @@ run_all \
   "storage_test|build-san/tests/storage_test" \
   "fault_test|build-san/tests/fault_test --gtest_filter=-*errno28*:*errno122*:*errno27*" \
   "crash_test|TORCHPOINT_CRASH_KILLS=30 build-san/tests/crash_test"
+run_all \
+  "state_test|build-san/tests/state_test" \
+  "accelerator_test|build-san/tests/accelerator_test" \
+  "learner_test|build-san/tests/learner_test" \
+  "consumer|/usr/bin/ctest --test-dir build-san -R consumer_find_package --output-on-failure"
 echo "sanitize: tests passed under ASan+UBSan (${tests[*]}) in $((SECONDS - start)) s"
 
 # Each fuzzer first runs every committed input, then mutates for fuzz_seconds. New inputs go to

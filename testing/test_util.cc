@@ -2,9 +2,14 @@
 
 #include <ATen/ops/empty.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <fmt/format.h>
+
 #include <algorithm>
+#include <cstdio>
+#include <nlohmann/json.hpp>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -12,7 +17,9 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "format/dtype.h"
 #include "torchpoint/env.h"
+#include "torchpoint/tensor_file.h"
 
 namespace torchpoint::testing {
 
@@ -95,6 +102,42 @@ std::string python() {
   const char* from_env = std::getenv("TORCHPOINT_PYTHON");
   std::string path = from_env && *from_env ? from_env : TORCHPOINT_PYTHON;
   return "'" + path + "'";
+}
+
+void expect_safetensors_reads(const std::vector<std::string>& files, const std::string& scratch) {
+  const std::string blob_path = scratch + "/judge.bin";
+  std::ofstream blob(blob_path, std::ios::binary);
+  std::uint64_t at = 0;
+  nlohmann::json expected = {{"blob", blob_path}, {"files", nlohmann::json::array()}};
+  for (const std::string& path : files) {
+    nlohmann::json tensors = nlohmann::json::array();
+    for (const auto& [name, value] : load_file(path).tensors) {
+      at::Tensor t = value.contiguous();
+      const auto length = static_cast<std::uint64_t>(t.numel() * t.element_size());
+      blob.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(length));
+      tensors.push_back({{"name", name},
+                         {"dtype", std::string(dtype_info(t.scalar_type(), name).name)},
+                         {"shape", t.sizes().vec()},
+                         {"offset", at},
+                         {"length", length}});
+      at += length;
+    }
+    expected["files"].push_back({{"path", path}, {"tensors", tensors}});
+  }
+  blob.close();
+  std::ofstream(scratch + "/judge.json") << expected.dump();
+  const char* src = std::getenv("TORCHPOINT_SOURCE_DIR");
+  ASSERT_NE(src, nullptr) << "TORCHPOINT_SOURCE_DIR is set by CTest";
+  std::string command = fmt::format("{} {}/tests/python/safetensors_judge.py {}/judge.json 2>&1",
+                                    python(), src, scratch);
+  FILE* pipe = ::popen(command.c_str(), "r");
+  ASSERT_NE(pipe, nullptr);
+  std::string output;
+  char buffer[4096];
+  while (std::size_t n = std::fread(buffer, 1, sizeof buffer, pipe)) output.append(buffer, n);
+  const int status = ::pclose(pipe);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << command << "\n" << output;
+  EXPECT_NE(output.find("ok: "), std::string::npos) << output;
 }
 
 }  // namespace torchpoint::testing

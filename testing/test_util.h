@@ -56,6 +56,12 @@ at::Tensor make_tensor(c10::ScalarType dtype, std::vector<std::int64_t> shape, s
 // environment overrides the one the build was configured with.
 std::string python();
 
+// Has the real safetensors library (tests/python/safetensors_judge.py, in the venv) open each
+// file with safe_open and load_file, and expects exactly the tensors that torchpoint's own
+// verified load_file() returns: names, dtypes, shapes and bytes. `scratch` is a directory for
+// the expectation files.
+void expect_safetensors_reads(const std::vector<std::string>& files, const std::string& scratch);
+
 std::string read_bytes(const std::string& path);
 void write_bytes(const std::string& path, const std::string& bytes);
 // Flips bit `bit` of byte `offset` in place.

@@ -698,18 +698,24 @@ TEST(Learner, ADatasetAndTheSameTensorsTrainIdentically) {
       same_bits(a.records.values("train", "loss")[1], c.records.values("train", "loss")[1]));
 }
 
-// A learner checkpoint of format version 1, committed under tests/data/golden_v1 (rewritten
-// with TORCHPOINT_WRITE_GOLDEN=1 only when the format changes on purpose). Every later version
-// must restore it exactly — weights, optimizer state, counters, records — and train on from it.
-// (Comparing with a fresh run instead would also compare this CPU's kernels with the ones
-// that wrote the file.)
-TEST(Learner, GoldenV1LearnerCheckpointRestoresExactlyAndTrainsOn) {
+// Learner checkpoints of format version 1, committed: tests/data/golden_v1 holds one written
+// under LibTorch 1.13, tests/data/golden_libtorch2 one written under LibTorch 2.13 (each
+// rewritten with TORCHPOINT_WRITE_GOLDEN=1, by a build against that LibTorch, only when the
+// format changes on purpose). Every later version, under either LibTorch, must restore both
+// exactly — weights, optimizer state, counters, records, callback state — and train on.
+// (Comparing with a fresh run instead would also compare this CPU's kernels, and this
+// LibTorch's, with the ones that wrote the file.)
+class GoldenLearner : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(GoldenLearner, CheckpointRestoresExactlyAndTrainsOn) {
   const char* src = std::getenv("TORCHPOINT_SOURCE_DIR");
   ASSERT_NE(src, nullptr) << "TORCHPOINT_SOURCE_DIR is set by CTest";
-  const std::string golden = std::string(src) + "/tests/data/golden_v1/learner_epoch2.ckpt";
+  const std::string folder = GetParam();
+  const std::string golden = fmt::format("{}/tests/data/{}/learner_epoch2.ckpt", src, folder);
+  const bool written_here = (folder == "golden_v1") == (TORCH_VERSION_MAJOR == 1);
   auto data = testing::seed_data(64);
   auto options = [] { return quiet(3).seed(3).metrics({metrics::mae()}); };
-  if (std::getenv("TORCHPOINT_WRITE_GOLDEN") != nullptr) {
+  if (std::getenv("TORCHPOINT_WRITE_GOLDEN") != nullptr && written_here) {
     struct SaveAt : Callback {
       explicit SaveAt(std::string p) : Callback("save_at"), path(std::move(p)) {}
       int order() const override { return 2000; }
@@ -762,6 +768,9 @@ TEST(Learner, GoldenV1LearnerCheckpointRestoresExactlyAndTrainsOn) {
   }
   EXPECT_TRUE(std::isfinite(got.records.values("train", "loss")[2]));
 }
+
+INSTANTIATE_TEST_SUITE_P(WrittenByEachLibTorch, GoldenLearner,
+                         ::testing::Values("golden_v1", "golden_libtorch2"));
 
 TEST(Learner, ALearnerCheckpointOfANewerVersionIsRefusedNamingBoth) {
   TempDir dir;

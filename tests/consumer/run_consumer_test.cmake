@@ -1,7 +1,8 @@
 # Installs the built torchpoint into a scratch prefix, moves the prefix elsewhere (the install
 # must be relocatable), checks that its CMake files name no absolute path, then configures,
 # builds and runs the consumer project against it with find_package(torchpoint), pointing it
-# at the same LibTorch (Torch_DIR) as the README tells users to.
+# at the same LibTorch (Torch_DIR) as the README tells users to. (A sanitized build passes the
+# sanitizers' link flags, which its static library needs; nothing else.)
 file(REMOVE_RECURSE ${WORK_DIR})
 file(MAKE_DIRECTORY ${WORK_DIR})
 function(run)
@@ -20,6 +21,7 @@ foreach(f IN LISTS package_files)
   endif()
 endforeach()
 run(${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/consumer -B ${WORK_DIR}/build -G ${GENERATOR}
-    -DCMAKE_PREFIX_PATH=${WORK_DIR}/moved -DTorch_DIR=${TORCH_DIR} -DCMAKE_BUILD_TYPE=Release)
+    -DCMAKE_PREFIX_PATH=${WORK_DIR}/moved -DTorch_DIR=${TORCH_DIR} -DCMAKE_BUILD_TYPE=Release
+    -DCMAKE_CXX_COMPILER=${CXX_COMPILER} "-DCMAKE_EXE_LINKER_FLAGS=${LINK_FLAGS}")
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 run(${WORK_DIR}/build/consumer ${WORK_DIR})
