@@ -23,9 +23,3 @@ if(TORCHPOINT_BUILD_FUZZ)
   add_compile_options(-fsanitize=fuzzer-no-link)
 endif()
 
-if(CMAKE_CXX_COMPILER_ID MATCHES "Clang")
-  # LibTorch 1.13's headers fail to compile with clang in C++20 mode (libstdc++'s constexpr
-  # std::vector<c10::IValue> is instantiated in ATen/core/List.h while IValue is incomplete)
-  # unless ivalue.h comes first, so every translation unit starts with it.
-  add_compile_options("SHELL:-include ATen/core/ivalue.h")
-endif()

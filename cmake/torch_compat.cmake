@@ -13,4 +13,15 @@ if(EXISTS "${TORCH_INSTALL_PREFIX}/include/fmt")
   file(CREATE_LINK "${_tp_fmt_include}/fmt" "${_tp_fmt_first}/fmt" SYMBOLIC)
   include_directories(BEFORE SYSTEM "${_tp_fmt_first}")
 endif()
+
+# LibTorch 1.13's headers fail to compile with clang in C++20 mode (libstdc++'s constexpr
+# std::vector<c10::IValue> is instantiated in ATen/core/List.h while IValue is incomplete)
+# unless ivalue.h comes first, so every translation unit starts with it: ours, and through the
+# installed target those of a consumer (torchpoint makes them C++20).
+if(Torch_VERSION VERSION_LESS 2)
+  if(CMAKE_CXX_COMPILER_ID MATCHES "Clang")
+    add_compile_options("SHELL:-include ATen/core/ivalue.h")
+  endif()
+  set(TORCHPOINT_CONSUMER_OPTIONS "$<$<CXX_COMPILER_ID:Clang>:-includeATen/core/ivalue.h>")
+endif()
 message(STATUS "torchpoint: LibTorch ${Torch_VERSION} from ${TORCH_INSTALL_PREFIX}")

@@ -13,6 +13,8 @@
 
 #include "torchpoint/checkpoint_dir.h"
 #include "torchpoint/error.h"
+#include "torchpoint/module_state.h"
+#include "torchpoint/optimizer_state.h"
 #include "torchpoint/tensor_file.h"
 
 namespace tp = torchpoint;
@@ -36,41 +38,18 @@ float train_step(Run& run) {
   return loss.item<float>();
 }
 
-std::string key(const torch::Tensor& p) { return c10::guts::to_string(p.unsafeGetTensorImpl()); }
-
-// Model parameters by name; Adam's moments and step by parameter position (a preview of the
-// state layer, which will do this for every optimizer).
+// The model's parameters and buffers by name, and Adam's state by parameter position (the
+// state layer's adapters), one component each.
 std::vector<tp::Component> snapshot(Run& run) {
-  tp::Container model;
-  for (const auto& item : run.model->named_parameters()) {
-    model.tensors.emplace_back(item.key(), item.value().detach());
-  }
-  tp::Container optimizer;
-  auto params = run.model->parameters();
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    auto& s = static_cast<torch::optim::AdamParamState&>(*run.optimizer.state().at(key(params[i])));
-    optimizer.tensors.emplace_back(fmt::format("{}.exp_avg", i), s.exp_avg());
-    optimizer.tensors.emplace_back(fmt::format("{}.exp_avg_sq", i), s.exp_avg_sq());
-    optimizer.state[std::to_string(i)] = {{"step", s.step()}};
-  }
-  optimizer.state["lr"] = run.optimizer.param_groups()[0].options().get_lr();
-  return {{"model", std::move(model)}, {"optimizer", std::move(optimizer)}};
+  return {{"model", tp::module_state_dict(*run.model).to_container()},
+          {"optimizer", tp::optimizer_state_dict(run.optimizer).to_container()}};
 }
 
 void restore(Run& run, const tp::DirectoryCheckpoint& ckpt) {
-  torch::NoGradGuard no_grad;
-  const tp::Container& model = ckpt.components.at(0).contents;
-  auto named = run.model->named_parameters();
-  for (const auto& [name, tensor] : model.tensors) named[name].copy_(tensor);
-  const tp::Container& optimizer = ckpt.components.at(1).contents;
-  auto params = run.model->parameters();
-  for (std::size_t i = 0; i < params.size(); ++i) {
-    auto s = std::make_unique<torch::optim::AdamParamState>();
-    s->exp_avg(optimizer.tensors.at(2 * i).second.clone());
-    s->exp_avg_sq(optimizer.tensors.at(2 * i + 1).second.clone());
-    s->step(optimizer.state.at(std::to_string(i)).at("step").get<std::int64_t>());
-    run.optimizer.state()[key(params[i])] = std::move(s);
-  }
+  tp::load_module_state_dict(*run.model,
+                             tp::StateDict::from_container(ckpt.components.at(0).contents));
+  tp::load_optimizer_state_dict(run.optimizer,
+                                tp::StateDict::from_container(ckpt.components.at(1).contents));
 }
 
 bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }

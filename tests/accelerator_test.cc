@@ -3,6 +3,8 @@
 
 #include <torch/torch.h>
 
+#include "compat/torch_compat.h"
+#include "format/manifest.h"
 #include "io/filename.h"
 #include "testing/fault_env.h"
 #include "testing/test_util.h"
@@ -56,6 +58,47 @@ TEST(Accelerator, SeedScenarioSaveTrainLoadSkip) {
   EXPECT_EQ(job.acc.step(), 0);
   // The next automatic save continues after the loaded checkpoint.
   EXPECT_EQ(job.acc.save_state(), dir / "my/save/path/checkpoints/checkpoint_1");
+}
+
+// Every file of an Accelerator checkpoint opens with the real safetensors library, as a Python
+// user of Accelerate would open it, with exactly the tensors torchpoint restores.
+TEST(Accelerator, EveryCheckpointFileIsReadBySafetensors) {
+  TempDir dir;
+  AcceleratorJob job(automatic(dir / "run"));
+  job.train(/*save_every=*/0);
+  std::string checkpoint = job.acc.save_state();  // after training: Adam moments, scaler, ...
+  std::vector<std::string> files;
+  for (const std::string& name : testing::list_sorted(checkpoint)) {
+    if (name.ends_with(".safetensors")) files.push_back(checkpoint + "/" + name);
+  }
+  EXPECT_EQ(files.size(), 7u);
+  testing::expect_safetensors_reads(files, dir.path());
+}
+
+// The load report gives the LibTorch version that wrote the checkpoint, and a note when it is
+// not the running one (a checkpoint from LibTorch 1.13 resumed under 2.13, or the reverse).
+TEST(Accelerator, LoadReportNamesTheLibTorchThatWroteTheCheckpoint) {
+  TempDir dir;
+  AcceleratorJob job(automatic(dir.path()));
+  std::string path = job.acc.save_state();
+  LoadStateReport same = job.acc.load_state(path);
+  EXPECT_EQ(same.libtorch_version, compat::torch_version());
+  EXPECT_TRUE(same.notes.empty());
+
+  // The same checkpoint as the other LibTorch would have written it (manifest resealed).
+  const std::string other = TORCH_VERSION_MAJOR == 1 ? "2.13.0" : "1.13.0";
+  Problems throwing;  // the manifest is intact: any problem throws
+  Manifest manifest =
+      parse_manifest(testing::read_bytes(path + "/manifest.json"), path, throwing);
+  manifest.libtorch_version = other;
+  testing::write_bytes(path + "/manifest.json", serialize_manifest(manifest));
+  LoadStateReport r = job.acc.load_state(path);
+  EXPECT_EQ(r.libtorch_version, other);
+  ASSERT_EQ(r.notes.size(), 1u);
+  EXPECT_NE(r.notes[0].find(fmt::format("written by LibTorch {} and is loaded by LibTorch {}",
+                                        other, compat::torch_version())),
+            std::string::npos)
+      << r.notes[0];
 }
 
 TEST(Accelerator, SkipFirstBatchesStartsMidEpochThenWholeEpochs) {

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <map>
 
+#include "compat/torch_compat.h"
 #include "testing/test_util.h"
 #include "torchpoint/error.h"
 #include "torchpoint/module_state.h"
@@ -79,8 +80,17 @@ class FromPython : public ::testing::Test {
     auto range = info.at("bytes").get<std::vector<std::size_t>>();
     std::string raw =
         testing::read_bytes(path(name + ".raw")).substr(range[0], range[1] - range[0]);
+    static const std::map<std::string, std::string> kNewer = {{"uint16", "U16"},
+                                                              {"uint32", "U32"},
+                                                              {"uint64", "U64"},
+                                                              {"float8_e4m3fn", "F8_E4M3"},
+                                                              {"float8_e5m2", "F8_E5M2"}};
+    const std::string dtype_name = info.at("dtype");
+    c10::ScalarType dtype = kDtypes.contains(dtype_name)
+                                ? kDtypes.at(dtype_name)
+                                : *compat::scalar_type_for(kNewer.at(dtype_name));
     at::Tensor t = at::empty(info.at("shape").get<std::vector<std::int64_t>>(),
-                             at::TensorOptions().dtype(kDtypes.at(info.at("dtype"))));
+                             at::TensorOptions().dtype(dtype));
     EXPECT_EQ(raw.size(), static_cast<std::size_t>(t.numel() * t.element_size())) << key;
     if (!raw.empty()) std::memcpy(t.data_ptr(), raw.data(), raw.size());
     return t;
@@ -173,6 +183,24 @@ TEST_F(FromPython, EveryDtypeLoadsBitForBit) {
     EXPECT_TRUE(testing::bitwise_equal(item.value(), python_tensor("buffers", item.key())))
         << item.key();
   }
+}
+
+// torch 2.x writes uint16/32/64 and float8 tensors with _rebuild_tensor_v3 over untyped
+// storages: a LibTorch that has these dtypes reads them bit for bit, views and shared storage
+// included; LibTorch 1.13 refuses the file, naming the dtype.
+TEST_F(FromPython, NewerDtypesLoadBitForBitOrAreRefusedByName) {
+  if (!compat::scalar_type_for("U16")) {
+    testing::expect_error([&] { load_torch_state_dict(path("newer.pt")); },
+                          ErrorCode::Unsupported,
+                 {"newer.pt", "dtype torch.uint16", "LibTorch 1.13", "2.3 or later"});
+    return;
+  }
+  StateDict sd = load_torch_state_dict(path("newer.pt"));
+  expect_python_tensors(sd, "newer");
+  const at::Tensor& whole = sd.tensor("uint16");
+  const at::Tensor& row = sd.tensor("uint16_row");
+  EXPECT_TRUE(row.is_alias_of(whole)) << "the view shares its storage";
+  EXPECT_EQ(row.storage_offset(), 4);
 }
 
 // Where the bytes of record `name` begin in zip `bytes` (found from its local header).

@@ -730,6 +730,10 @@ TEST_P(GoldenLearner, CheckpointRestoresExactlyAndTrainsOn) {
                              std::make_shared<SaveAt>(golden)}));
   }
   StateDict file = read_state(golden);
+  {
+    TempDir scratch;
+    testing::expect_safetensors_reads({golden}, scratch.path());
+  }
 
   TempDir dir;
   testing::write_bytes(dir / "state.ckpt", testing::read_bytes(golden));

@@ -46,6 +46,12 @@ struct LoadStateReport {
   std::vector<std::string> components;  // file names restored, RNG last
   std::vector<std::string> skipped;     // newer checkpoints passed over as invalid, with why
   std::int64_t step = 0;
+  // The LibTorch version that wrote the checkpoint ("1.13.0"; empty if not recorded).
+  std::string libtorch_version;
+  // What is worth knowing about this load, one sentence each; for example that the checkpoint
+  // was written by another LibTorch version (every tensor is restored bit for bit, but that
+  // version's kernels may compute the next steps differently).
+  std::vector<std::string> notes;
 };
 
 class Accelerator {

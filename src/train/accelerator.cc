@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <map>
 
+#include "compat/torch_compat.h"
 #include "io/atomic_commit.h"
 #include "io/filename.h"
 #include "torchpoint/checkpoint_dir.h"
@@ -237,6 +238,15 @@ LoadStateReport Accelerator::load_state(const std::string& input_dir) {
   report.path = path;
   report.components = restored.restored;
   report.step = step_;
+  report.libtorch_version = checkpoint.libtorch_version;
+  if (!checkpoint.libtorch_version.empty() &&
+      checkpoint.libtorch_version != compat::torch_version()) {
+    report.notes.push_back(fmt::format(
+        "{} was written by LibTorch {} and is loaded by LibTorch {}: every value was restored "
+        "bit for bit, but the two versions' kernels may compute the following steps "
+        "differently",
+        path, checkpoint.libtorch_version, compat::torch_version()));
+  }
   return report;
 }
 

@@ -15,6 +15,9 @@ OUT_DIR/bn.pt              torch.save(model.state_dict()) of Sequential(Linear(4
 OUT_DIR/buffers.pt         torch.save(module.state_dict()) of a module whose buffers are float32,
                            float64, float16, bfloat16, int64, int32, int16, int8, uint8, bool, a
                            0-d tensor, an empty tensor and special floats
+OUT_DIR/newer.pt           torch.save of the dtypes torch 2.x writes with _rebuild_tensor_v3 over an
+                           untyped storage: uint16, uint32, uint64, float8_e4m3fn, float8_e5m2
+                           (random bytes), and a uint16 slice sharing the first one's storage
 OUT_DIR/zip64.pt           bn.pt's records with every size and offset in ZIP64 extra fields, as in
                            archives over 4 GiB (written by hand; torch.load checks it)
 OUT_DIR/<name>.raw         the bytes of every tensor of <name>.pt, contiguous, in order
@@ -45,6 +48,8 @@ DTYPE_NAMES = {
     torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
     torch.bfloat16: "bfloat16", torch.int64: "int64", torch.int32: "int32",
     torch.int16: "int16", torch.int8: "int8", torch.uint8: "uint8", torch.bool: "bool",
+    torch.uint16: "uint16", torch.uint32: "uint32", torch.uint64: "uint64",
+    torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2",
 }
 
 
@@ -185,6 +190,17 @@ def main():
     buffers = Buffers().state_dict()
     torch.save(buffers, os.path.join(out, "buffers.pt"))
     tensors["buffers"] = describe(out, "buffers", buffers)
+    gen = torch.Generator().manual_seed(11)
+    newer = collections.OrderedDict()
+    for dtype, shape in ((torch.uint16, (3, 4)), (torch.uint32, (5,)), (torch.uint64, (2, 2)),
+                         (torch.float8_e4m3fn, (2, 3)), (torch.float8_e5m2, (7,))):
+        size = torch.empty(0, dtype=dtype).element_size()
+        count = size * int(torch.Size(shape).numel())
+        raw = torch.randint(0, 256, (count,), dtype=torch.uint8, generator=gen)
+        newer[DTYPE_NAMES[dtype]] = raw.view(dtype).reshape(shape)
+    newer["uint16_row"] = newer["uint16"][1]  # a view into the same storage, offset 4
+    torch.save(newer, os.path.join(out, "newer.pt"))
+    tensors["newer"] = describe(out, "newer", newer)
     with open(os.path.join(out, "tensors.json"), "w") as f:
         json.dump(tensors, f)
 
