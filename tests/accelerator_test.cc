@@ -88,8 +88,7 @@ TEST(Accelerator, LoadReportNamesTheLibTorchThatWroteTheCheckpoint) {
   // The same checkpoint as the other LibTorch would have written it (manifest resealed).
   const std::string other = TORCH_VERSION_MAJOR == 1 ? "2.13.0" : "1.13.0";
   Problems throwing;  // the manifest is intact: any problem throws
-  Manifest manifest =
-      parse_manifest(testing::read_bytes(path + "/manifest.json"), path, throwing);
+  Manifest manifest = parse_manifest(testing::read_bytes(path + "/manifest.json"), path, throwing);
   manifest.libtorch_version = other;
   testing::write_bytes(path + "/manifest.json", serialize_manifest(manifest));
   LoadStateReport r = job.acc.load_state(path);

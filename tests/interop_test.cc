@@ -38,9 +38,9 @@ class FromPython : public ::testing::Test {
 
   void SetUp() override {
     ASSERT_NE(std::getenv("TORCHPOINT_SOURCE_DIR"), nullptr);
-    ASSERT_TRUE(script_ok_)
-        << "tests/python/write_python_weights.py failed: it needs the project venv's torch (scripts/setup.sh "
-           "makes it; TORCHPOINT_PYTHON overrides it)";
+    ASSERT_TRUE(script_ok_) << "tests/python/write_python_weights.py failed: it needs the project "
+                               "venv's torch (scripts/setup.sh "
+                               "makes it; TORCHPOINT_PYTHON overrides it)";
     std::ifstream in(path("expected.json"));
     expected_ = nlohmann::json::parse(in);
     std::ifstream tensors(path("tensors.json"));
@@ -190,9 +190,8 @@ TEST_F(FromPython, EveryDtypeLoadsBitForBit) {
 // included; LibTorch 1.13 refuses the file, naming the dtype.
 TEST_F(FromPython, NewerDtypesLoadBitForBitOrAreRefusedByName) {
   if (!compat::scalar_type_for("U16")) {
-    testing::expect_error([&] { load_torch_state_dict(path("newer.pt")); },
-                          ErrorCode::Unsupported,
-                 {"newer.pt", "dtype torch.uint16", "LibTorch 1.13", "2.3 or later"});
+    testing::expect_error([&] { load_torch_state_dict(path("newer.pt")); }, ErrorCode::Unsupported,
+                          {"newer.pt", "dtype torch.uint16", "LibTorch 1.13", "2.3 or later"});
     return;
   }
   StateDict sd = load_torch_state_dict(path("newer.pt"));

@@ -74,7 +74,8 @@ std::unique_ptr<optim::Optimizer> make_optimizer(const std::string& kind, torch:
   }
   // LibTorch 2.x replaces a group's option that equals the class default (Adam's lr 0.001)
   // with the optimizer's own ("merge by comparison"); PyTorch keeps the group's. Set them again.
-  for (std::size_t i = 0; i < lrs.size(); ++i) optimizer->param_groups()[i].options().set_lr(lrs[i]);
+  for (std::size_t i = 0; i < lrs.size(); ++i)
+    optimizer->param_groups()[i].options().set_lr(lrs[i]);
   return optimizer;
 }
 

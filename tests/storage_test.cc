@@ -171,10 +171,9 @@ TEST(Container, PythonReaderThatKnowsOnlyTheSpecAcceptsOurFiles) {
   std::ofstream(dir / "expect.json") << expect.dump();
   const char* src = std::getenv("TORCHPOINT_SOURCE_DIR");
   ASSERT_NE(src, nullptr) << "TORCHPOINT_SOURCE_DIR is set by CTest";
-  std::string cmd =
-      fmt::format("{} {}/tests/python/check_safetensors.py --expect-json {} {} {} {}",
-                  testing::python(), src, dir / "expect.json", dir / "py.safetensors", dir / "mixed.safetensors",
-                  dir / "big.safetensors");
+  std::string cmd = fmt::format("{} {}/tests/python/check_safetensors.py --expect-json {} {} {} {}",
+                                testing::python(), src, dir / "expect.json", dir / "py.safetensors",
+                                dir / "mixed.safetensors", dir / "big.safetensors");
   int rc = std::system(cmd.c_str());
   ASSERT_TRUE(WIFEXITED(rc));
   EXPECT_EQ(WEXITSTATUS(rc), 0) << cmd;
@@ -336,8 +335,7 @@ TEST(BadInput, UnsupportedDtypesAreRefusedOnSaveAndLoad) {
     ASSERT_EQ(back.tensors.size(), 1u);
     EXPECT_EQ(back.tensors[0].second.scalar_type(), *u16);
   } else {
-    expect_error([&] { load_file(path); }, ErrorCode::Unsupported,
-                            {"'q'", "U16", "LibTorch 1.13"});
+    expect_error([&] { load_file(path); }, ErrorCode::Unsupported, {"'q'", "U16", "LibTorch 1.13"});
   }
 }
 
@@ -655,14 +653,14 @@ TEST(PythonJudges, SafetensorsReadsEveryFileBitIdentically) {
   every.emplace_back("empty", at::zeros({0, 4}, at::kFloat));
   every.emplace_back("transposed", testing::make_tensor(at::kFloat, {4, 6}, 99).t());
   save_file(dir / "every.safetensors", {every, {{"epoch", 3}, {"name", "judged"}}});
-  save_file(dir / "big.safetensors",
-            {{{"w", testing::make_tensor(at::kFloat, {3 << 18}, 7)},
-              {"b", testing::make_tensor(at::kBFloat16, {1000}, 8)}}});
+  save_file(dir / "big.safetensors", {{{"w", testing::make_tensor(at::kFloat, {3 << 18}, 7)},
+                                       {"b", testing::make_tensor(at::kBFloat16, {1000}, 8)}}});
   save_file(dir / "state_only.safetensors", {{}, {{"step", 12}}});
   save_directory(dir / "checkpoint_0",
                  {{"model", {{{"fc.weight", testing::make_tensor(at::kFloat, {8, 4}, 3)}}, {}}},
-                  {"optimizer", {{{"state.0.0.exp_avg", testing::make_tensor(at::kFloat, {8, 4}, 4)}},
-                                 {{"type", "Adam"}}}}},
+                  {"optimizer",
+                   {{{"state.0.0.exp_avg", testing::make_tensor(at::kFloat, {8, 4}, 4)}},
+                    {{"type", "Adam"}}}}},
                  {.step = 5});
   testing::expect_safetensors_reads(
       {dir / "every.safetensors", dir / "big.safetensors", dir / "state_only.safetensors",

@@ -20,7 +20,8 @@ int run_export(const ExportOptions& options, std::ostream& out) {
   }
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   for (const auto& [key, value] : component->state.entries()) {
-    if (std::holds_alternative<at::Tensor>(value)) tensors.emplace_back(key, std::get<at::Tensor>(value));
+    if (std::holds_alternative<at::Tensor>(value))
+      tensors.emplace_back(key, std::get<at::Tensor>(value));
   }
   if (tensors.empty()) {
     throw Error(ErrorCode::NotFound,

@@ -29,8 +29,8 @@ namespace torchpoint::compat {
 std::string torch_version();
 
 // The key of Optimizer::state() for `param`.
-using OptimizerStateKey = typename std::decay_t<
-    decltype(std::declval<torch::optim::Optimizer&>().state())>::key_type;
+using OptimizerStateKey =
+    typename std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>::key_type;
 
 namespace detail {
 template <typename Key>

@@ -15,18 +15,17 @@ struct Newer {
   std::size_t size;
 };
 // safetensors dtypes that only some LibTorch versions have (none of them is in 1.13).
-constexpr Newer kNewer[] = {
-    {"U16", 2}, {"U32", 4}, {"U64", 8}, {"F8_E4M3", 1}, {"F8_E5M2", 1}};
+constexpr Newer kNewer[] = {{"U16", 2}, {"U32", 4}, {"U64", 8}, {"F8_E4M3", 1}, {"F8_E5M2", 1}};
 
 // Every safetensors dtype the running LibTorch can hold.
 const std::vector<DtypeInfo>& dtypes() {
   static const std::vector<DtypeInfo> table = [] {
     std::vector<DtypeInfo> t = {
-        {c10::ScalarType::Bool, "BOOL", 1},    {c10::ScalarType::Byte, "U8", 1},
-        {c10::ScalarType::Char, "I8", 1},      {c10::ScalarType::Short, "I16", 2},
-        {c10::ScalarType::Int, "I32", 4},      {c10::ScalarType::Long, "I64", 8},
-        {c10::ScalarType::Half, "F16", 2},     {c10::ScalarType::BFloat16, "BF16", 2},
-        {c10::ScalarType::Float, "F32", 4},    {c10::ScalarType::Double, "F64", 8},
+        {c10::ScalarType::Bool, "BOOL", 1}, {c10::ScalarType::Byte, "U8", 1},
+        {c10::ScalarType::Char, "I8", 1},   {c10::ScalarType::Short, "I16", 2},
+        {c10::ScalarType::Int, "I32", 4},   {c10::ScalarType::Long, "I64", 8},
+        {c10::ScalarType::Half, "F16", 2},  {c10::ScalarType::BFloat16, "BF16", 2},
+        {c10::ScalarType::Float, "F32", 4}, {c10::ScalarType::Double, "F64", 8},
     };
     for (const Newer& n : kNewer) {
       if (auto type = compat::scalar_type_for(n.name)) t.push_back({*type, n.name, n.size});

@@ -392,7 +392,8 @@ void load_optimizer_state_dict(optim::Optimizer& optimizer, const StateDict& sta
     for (std::size_t i = 0; i < params.size(); ++i) {
       std::string sp = fmt::format("state.{}.{}", g, i);
       if (!state.has_child(sp)) continue;
-      states.emplace_back(optimizer_state_key(params[i]), codec.load_state(state, sp + ".", params[i]));
+      states.emplace_back(optimizer_state_key(params[i]),
+                          codec.load_state(state, sp + ".", params[i]));
     }
   }
   auto& live = optimizer.state();

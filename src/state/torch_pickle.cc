@@ -504,8 +504,8 @@ class Unpickler {
   Value rebuild_tensor(const std::vector<Value>& args, bool v3) {
     const std::size_t fixed = v3 ? 7 : 6;
     if (args.size() != fixed && args.size() != fixed + 1) {
-      corrupt(fmt::format("_rebuild_tensor_v{} takes {} or {} arguments, not {}", v3 ? 3 : 2,
-                          fixed, fixed + 1, args.size()));
+      corrupt(fmt::format("_rebuild_tensor_v{} takes {} or {} arguments, not {}", v3 ? 3 : 2, fixed,
+                          fixed + 1, args.size()));
     }
     const Storage* storage = as<Storage>(args[0]);
     if (storage == nullptr) corrupt(fmt::format("a tensor's storage is a {}", kind(args[0])));

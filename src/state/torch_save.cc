@@ -26,15 +26,14 @@ namespace torchpoint {
 namespace {
 
 // The pickle opcodes used (Python's pickletools names them).
-constexpr char kProto = '\x80', kEmptyDict = '}', kMark = '(', kBinUnicode = 'X',
-               kGlobal = 'c', kTuple = 't', kEmptyTuple = ')', kBinPersId = 'Q',
-               kBinInt = 'J', kLong1 = '\x8a', kNewFalse = '\x89', kReduce = 'R',
-               kSetItems = 'u', kStop = '.';
+constexpr char kProto = '\x80', kEmptyDict = '}', kMark = '(', kBinUnicode = 'X', kGlobal = 'c',
+               kTuple = 't', kEmptyTuple = ')', kBinPersId = 'Q', kBinInt = 'J', kLong1 = '\x8a',
+               kNewFalse = '\x89', kReduce = 'R', kSetItems = 'u', kStop = '.';
 
 struct StorageName {
   c10::ScalarType type;
-  const char* typed;   // the typed storage class, for _rebuild_tensor_v2
-  const char* dtype;   // the dtype's Python name, for _rebuild_tensor_v3 (nullptr: not used)
+  const char* typed;  // the typed storage class, for _rebuild_tensor_v2
+  const char* dtype;  // the dtype's Python name, for _rebuild_tensor_v3 (nullptr: not used)
 };
 const StorageName* storage_name(c10::ScalarType type) {
   static const StorageName kNames[] = {

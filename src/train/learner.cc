@@ -16,8 +16,8 @@
 #include <mutex>
 #include <set>
 
-#include "torchpoint/error.h"
 #include "compat/torch_compat.h"
+#include "torchpoint/error.h"
 #include "train/fit_run.h"
 #include "train/progress.h"
 
