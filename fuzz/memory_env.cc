@@ -88,6 +88,7 @@ FileInfo MemoryEnv::stat(const std::string& path) {
   auto it = files_.find(path);
   if (it != files_.end()) {
     info.exists = true;
+    info.is_regular = true;
     info.size = it->second->size();
     return info;
   }

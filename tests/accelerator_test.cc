@@ -6,6 +6,7 @@
 #include "compat/torch_compat.h"
 #include "format/manifest.h"
 #include "io/filename.h"
+#include "io/posix_error.h"
 #include "testing/fault_env.h"
 #include "testing/test_util.h"
 #include "tests/accelerator_job.h"
@@ -131,6 +132,59 @@ TEST(Accelerator, LoadStateWithoutArgumentTakesTheNewestValidAndRestoresTheItera
   EXPECT_EQ(again.acc.save_state(), dir / "checkpoints/checkpoint_7");
 }
 
+// An unreadable newest checkpoint (EIO on open, as a failing disk or a permission error gives)
+// is not proven corrupt: load_state() fails naming it instead of resuming quietly from an
+// older one, whose next save's total_limit would then delete the intact newest one.
+TEST(Accelerator, UnreadableNewestCheckpointIsAnErrorNotAQuietFallback) {
+  TempDir dir;
+  {
+    AcceleratorJob job(automatic(dir.path()).total_limit(3));
+    job.train(/*save_every=*/10);  // checkpoint_0 (step 10) .. checkpoint_2 (step 30)
+  }
+  testing::FaultEnv fault;
+  const std::string newest = dir / "checkpoints/checkpoint_2";
+  fault.set_before_op([&](testing::Op op, const std::string& path) {
+    if (op == testing::Op::Open && path.starts_with(newest + "/")) {
+      throw posix_error(fmt::format("open of {}", path), EIO);
+    }
+  });
+  {
+    AcceleratorJob again(automatic(dir.path()).total_limit(3), fault);
+    expect_error([&] { again.acc.load_state(); }, ErrorCode::IOError,
+                 {newest, "cannot be loaded", "not passed over", "move"});
+    EXPECT_EQ(again.counters.step, 0) << "a failed load changes nothing";
+  }
+  fault.set_before_op(nullptr);
+  EXPECT_EQ(testing::list_sorted(dir / "checkpoints"),
+            (std::vector<std::string>{".lock", "checkpoint_0", "checkpoint_1", "checkpoint_2"}));
+  AcceleratorJob healed(automatic(dir.path()).total_limit(3));
+  EXPECT_EQ(healed.acc.load_state().path, newest);
+  EXPECT_EQ(healed.counters.step, 30);
+}
+
+// After load_state() of an older checkpoint, retention keeps every newer one that is not
+// proven corrupt (it holds progress this run does not have), and deletes one that is.
+TEST(Accelerator, RetentionKeepsCheckpointsNewerThanTheResumedOneUnlessCorrupt) {
+  for (bool corrupt : {false, true}) {
+    SCOPED_TRACE(corrupt ? "checkpoint_2 corrupt" : "checkpoint_2 intact");
+    TempDir dir;
+    {
+      AcceleratorJob job(automatic(dir.path()).total_limit(3));
+      job.train(/*save_every=*/10);  // checkpoint_0 .. checkpoint_2
+    }
+    if (corrupt) {
+      std::string bad = dir / "checkpoints/checkpoint_2/model.safetensors";
+      testing::flip_bit(bad, testing::file_size(bad) - 3, 1);
+    }
+    AcceleratorJob older(automatic(dir.path()).total_limit(2));
+    older.acc.load_state(dir / "checkpoints/checkpoint_1");
+    EXPECT_EQ(older.acc.save_state(), dir / "checkpoints/checkpoint_3");
+    std::vector<std::string> expected = {".lock", "checkpoint_1", "checkpoint_3"};
+    if (!corrupt) expected = {".lock", "checkpoint_1", "checkpoint_2", "checkpoint_3"};
+    EXPECT_EQ(testing::list_sorted(dir / "checkpoints"), expected);
+  }
+}
+
 TEST(Accelerator, CorruptNewestCheckpointFallsBackToThePreviousWithAWarning) {
   TempDir dir;
   {
@@ -160,13 +214,16 @@ TEST(Accelerator, TotalLimitDeletesOldestByNumberOnlyAfterCommit) {
   }
 
   // Resuming from an older checkpoint continues the numbering after the newest one (never
-  // colliding with it), and that run never deletes the checkpoint it resumed from.
+  // colliding with it), and that run never deletes the checkpoint it resumed from, nor the
+  // valid ones newer than it (DESIGN.md, commit protocol step 5), only its own older saves.
   AcceleratorJob resumed(automatic(dir.path()).total_limit(1));
   resumed.acc.load_state(dir / "checkpoints/checkpoint_9");
   EXPECT_EQ(resumed.acc.save_state(), dir / "checkpoints/checkpoint_12");
+  EXPECT_EQ(resumed.acc.save_state(), dir / "checkpoints/checkpoint_13");
   names.clear();
   for (const auto& [n, path] : resumed.acc.list_checkpoints()) names.push_back(base_name(path));
-  EXPECT_EQ(names, (std::vector<std::string>{"checkpoint_9", "checkpoint_12"}));
+  EXPECT_EQ(names, (std::vector<std::string>{"checkpoint_9", "checkpoint_10", "checkpoint_11",
+                                             "checkpoint_13"}));
 }
 
 TEST(Accelerator, ResumedFromCheckpointSurvivesTotalLimit) {

@@ -1,5 +1,6 @@
 // The io and format layers: container round trips, corruption, bad input, directory
 // checkpoints, locking and naming.
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -708,6 +709,61 @@ TEST(NewerDtypes, FileFromLibTorch2LoadsBitExactOrIsRefusedByName) {
     EXPECT_TRUE(testing::bitwise_equal(again.tensors[i].second, expected[i].second))
         << expected[i].first;
   }
+}
+
+}  // namespace
+}  // namespace torchpoint
+
+namespace torchpoint {
+namespace {
+
+// A FIFO where a checkpoint file or manifest belongs is refused at once, by every reader
+// (before, each of these blocked forever in open()).
+TEST(SpecialFiles, AFifoInPlaceOfACheckpointFileIsRefusedAtOnce) {
+  TempDir dir;
+  const std::string fifo = dir / "state.ckpt";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
+  expect_error([&] { load_file(fifo); }, ErrorCode::InvalidArgument,
+               {fifo, "is a FIFO", "regular files"});
+  VerifyReport report = verify(fifo);
+  ASSERT_EQ(report.problems.size(), 1u);
+  EXPECT_NE(report.problems[0].find("is a FIFO"), std::string::npos) << report.problems[0];
+  EXPECT_FALSE(report.proven_corrupt()) << "a FIFO proves nothing about a checkpoint";
+  expect_error([&] { TensorFileReader reader(fifo); }, ErrorCode::InvalidArgument, {"FIFO"});
+
+  const std::string checkpoint = dir / "checkpoint_0";
+  save_directory(checkpoint, {{"model", {{{"w", at::ones({2})}}, {}}}});
+  for (const char* name : {"manifest.json", "model.safetensors"}) {
+    SCOPED_TRACE(name);
+    const std::string path = checkpoint + "/" + name;
+    const std::string kept = testing::read_bytes(path);
+    ASSERT_EQ(::unlink(path.c_str()), 0);
+    ASSERT_EQ(::mkfifo(path.c_str(), 0644), 0);
+    expect_error([&] { load_directory(checkpoint); }, ErrorCode::InvalidArgument,
+                 {path, "is a FIFO"});
+    EXPECT_FALSE(verify(checkpoint).ok());
+    ASSERT_EQ(::unlink(path.c_str()), 0);
+    testing::write_bytes(path, kept);
+  }
+  EXPECT_TRUE(verify(checkpoint).ok()) << "control: the restored files verify";
+}
+
+// A .lock that is a symbolic link is refused: locking must not create or touch its target,
+// which may lie outside the project.
+TEST(SpecialFiles, ALockThatIsASymlinkIsRefusedAndItsTargetNotCreated) {
+  TempDir dir;
+  TempDir elsewhere;
+  const std::string target = elsewhere / "victim";
+  ASSERT_EQ(::symlink(target.c_str(), (dir / ".lock").c_str()), 0);
+  expect_error(
+      [&] { save_directory(dir / "checkpoint_0", {{"model", {{{"w", at::ones({2})}}, {}}}}); },
+      ErrorCode::InvalidArgument, {".lock", "symbolic link"});
+  EXPECT_FALSE(Env::posix().stat(target).exists) << "the link's target was created";
+  EXPECT_FALSE(Env::posix().stat(dir / "checkpoint_0").exists);
+  // Control: with the link gone, the same save works.
+  ASSERT_EQ(::unlink((dir / ".lock").c_str()), 0);
+  save_directory(dir / "checkpoint_0", {{"model", {{{"w", at::ones({2})}}, {}}}});
+  EXPECT_TRUE(verify(dir / "checkpoint_0").ok());
 }
 
 }  // namespace

@@ -226,6 +226,9 @@ class Accelerator {
   RngState rng_;
   std::int64_t step_ = 0;
   std::string resumed_from_;
+  // The first checkpoint number this run writes after load_state(): checkpoints numbered
+  // between resumed_from_'s and this one were there before and are kept by retention.
+  std::int64_t first_own_number_ = 0;
   std::vector<std::function<void(const std::string&)>> save_hooks_;
   std::vector<std::function<void(const std::string&)>> load_hooks_;
 };

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "torchpoint/env.h"
+#include "torchpoint/error.h"
 
 namespace torchpoint {
 
@@ -73,11 +74,36 @@ class TensorFileReader {
   std::unique_ptr<Impl> impl_;
 };
 
-// Every problem found in a file or directory checkpoint, not only the first.
+// Every problem found in a file or directory checkpoint, not only the first, each with its
+// error code: Corruption when the checkpoint's own checksums, sizes or structure prove it
+// damaged; IOError when it could not be read (permissions, an I/O error); Incompatible or
+// Unsupported when it was written by a newer torchpoint or holds what this build cannot hold;
+// NotFound when it is missing or was never committed.
 struct VerifyReport {
   std::string path;
   std::vector<std::string> problems;
+  std::vector<ErrorCode> codes;  // one per problem
   bool ok() const { return problems.empty(); }
+  void add(std::string problem, ErrorCode code) {
+    problems.push_back(std::move(problem));
+    codes.push_back(code);
+  }
+  // True when it has problems and every one is Corruption: the only kind of checkpoint that
+  // may be passed over (or deleted) without losing anything that could still be read.
+  bool proven_corrupt() const {
+    if (ok()) return false;
+    for (ErrorCode c : codes) {
+      if (c != ErrorCode::Corruption) return false;
+    }
+    return true;
+  }
+  // The first problem that is not Corruption (IOError, Incompatible, ...), or Corruption.
+  ErrorCode worst_code() const {
+    for (ErrorCode c : codes) {
+      if (c != ErrorCode::Corruption) return c;
+    }
+    return ErrorCode::Corruption;
+  }
 };
 
 // Checks every structural rule and checksum of a container file or a directory checkpoint.

@@ -49,6 +49,8 @@ struct ContainerHeader {
 class Problems {
  public:
   explicit Problems(std::vector<std::string>* sink = nullptr) : sink_(sink) {}
+  // Collects into `report`, with each problem's code.
+  explicit Problems(VerifyReport* report) : sink_(&report->problems), codes_(&report->codes) {}
   // Throws Error(code) unless collecting.
   void add(std::string message, ErrorCode code = ErrorCode::Corruption);
   bool collecting() const { return sink_ != nullptr; }
@@ -56,6 +58,7 @@ class Problems {
 
  private:
   std::vector<std::string>* sink_;
+  std::vector<ErrorCode>* codes_ = nullptr;
   std::size_t count_ = 0;
 };
 

@@ -24,6 +24,7 @@ void Problems::add(std::string message, ErrorCode code) {
   ++count_;
   if (sink_ == nullptr) throw Error(code, message);
   sink_->push_back(std::move(message));
+  if (codes_ != nullptr) codes_->push_back(code);
 }
 
 namespace {
@@ -472,16 +473,16 @@ at::Tensor TensorFileReader::read(const std::string& name) const {
 VerifyReport verify_directory(const std::string& path, Env& env);
 
 VerifyReport verify(const std::string& path, Env& env) {
-  VerifyReport report{path, {}};
+  VerifyReport report{path, {}, {}};
   try {
     FileInfo info = env.stat(path);
     if (!info.exists) {
-      report.problems.push_back(fmt::format("{} does not exist", path));
+      report.add(fmt::format("{} does not exist", path), ErrorCode::NotFound);
       return report;
     }
     if (info.is_directory) return verify_directory(path, env);
     std::unique_ptr<File> file = env.open(path, OpenMode::Read);
-    Problems collect(&report.problems);
+    Problems collect(&report);
     ContainerHeader header = read_container_header(*file, path, collect);
     if (collect.any()) return report;
     std::shared_ptr<MappedRegion> region = file->map();
@@ -493,7 +494,7 @@ VerifyReport verify(const std::string& path, Env& env) {
     }
     check_data(header, *region, path, collect);
   } catch (const Error& e) {
-    report.problems.push_back(e.what());
+    report.add(e.what(), e.code());
   }
   return report;
 }

@@ -146,6 +146,9 @@ DirectoryCheckpoint load_directory(const std::string& path, Env& env) {
       throw Error(ErrorCode::Corruption,
                   fmt::format("{} is listed in the manifest of {} but missing", f.name, path));
     }
+    if (!info.is_regular) {
+      env.open(file_path, OpenMode::Read);  // throws, naming what it is (a FIFO, a socket...)
+    }
     if (info.size != f.size) {
       throw Error(ErrorCode::Corruption,
                   fmt::format("{} is {} bytes but the manifest of {} says {}: the file was "
@@ -166,13 +169,13 @@ DirectoryCheckpoint load_directory(const std::string& path, Env& env) {
 }
 
 VerifyReport verify_directory(const std::string& path, Env& env) {
-  VerifyReport report{path, {}};
-  Problems collect(&report.problems);
+  VerifyReport report{path, {}, {}};
+  Problems collect(&report);
   Manifest manifest;
   try {
     manifest = load_manifest(env, path, collect);
   } catch (const Error& e) {
-    report.problems.push_back(e.what());
+    report.add(e.what(), e.code());
     return report;
   }
   std::unordered_set<std::string> listed;
@@ -181,15 +184,25 @@ VerifyReport verify_directory(const std::string& path, Env& env) {
     std::string file_path = join_path(path, f.name);
     FileInfo info = env.stat(file_path);
     if (!info.exists) {
-      report.problems.push_back(fmt::format("{}: listed in the manifest but missing", file_path));
+      report.add(fmt::format("{}: listed in the manifest but missing", file_path),
+                 ErrorCode::Corruption);
+      continue;
+    }
+    if (!info.is_regular) {
+      VerifyReport special = verify(file_path, env);  // names what it is (a FIFO, a socket...)
+      for (std::size_t i = 0; i < special.problems.size(); ++i) {
+        report.add(std::move(special.problems[i]), special.codes[i]);
+      }
       continue;
     }
     if (info.size != f.size) {
-      report.problems.push_back(
-          fmt::format("{}: {} bytes, the manifest says {}", file_path, info.size, f.size));
+      report.add(fmt::format("{}: {} bytes, the manifest says {}", file_path, info.size, f.size),
+                 ErrorCode::Corruption);
     }
     VerifyReport file_report = verify(file_path, env);
-    for (std::string& p : file_report.problems) report.problems.push_back(std::move(p));
+    for (std::size_t i = 0; i < file_report.problems.size(); ++i) {
+      report.add(std::move(file_report.problems[i]), file_report.codes[i]);
+    }
     if (file_report.ok()) {
       std::uint64_t header_checksum = 0;
       try {
@@ -197,23 +210,23 @@ VerifyReport verify_directory(const std::string& path, Env& env) {
         Problems throwing;
         header_checksum = read_container_header(*file, file_path, throwing).header_checksum;
         if (header_checksum != f.header_checksum) {
-          report.problems.push_back(
-              fmt::format("{}: header checksum differs from the manifest's", file_path));
+          report.add(fmt::format("{}: header checksum differs from the manifest's", file_path),
+                     ErrorCode::Corruption);
         }
       } catch (const Error& e) {
-        report.problems.push_back(e.what());
+        report.add(e.what(), e.code());
       }
     }
   }
   try {
     for (const std::string& name : env.list_dir(path)) {
       if (parse_component_file_name(name) && !listed.count(name)) {
-        report.problems.push_back(
-            fmt::format("{}: not listed in the manifest", join_path(path, name)));
+        report.add(fmt::format("{}: not listed in the manifest", join_path(path, name)),
+                   ErrorCode::Corruption);
       }
     }
   } catch (const Error& e) {
-    report.problems.push_back(e.what());
+    report.add(e.what(), e.code());
   }
   return report;
 }

@@ -113,6 +113,29 @@ class PosixFileLock final : public FileLock {
   int fd_;
 };
 
+// Closes `fd` and throws InvalidArgument unless it is a regular file (not a FIFO, socket,
+// device or directory).
+void require_regular(int fd, const std::string& path, const char* what) {
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    int err = errno;
+    ::close(fd);
+    throw posix_error(fmt::format("stat of {}", path), err);
+  }
+  if (S_ISREG(st.st_mode)) return;
+  ::close(fd);
+  const char* kind = S_ISFIFO(st.st_mode)   ? "a FIFO"
+                     : S_ISSOCK(st.st_mode) ? "a socket"
+                     : S_ISCHR(st.st_mode)  ? "a character device"
+                     : S_ISBLK(st.st_mode)  ? "a block device"
+                     : S_ISDIR(st.st_mode)  ? "a directory"
+                                            : "not a regular file";
+  throw Error(ErrorCode::InvalidArgument,
+              fmt::format("{} is {}, where {} should be; torchpoint reads and locks only regular "
+                          "files: remove or rename it",
+                          path, kind, what));
+}
+
 class PosixEnv final : public Env {
  public:
   std::unique_ptr<File> open(const std::string& path, OpenMode mode) override {
@@ -120,7 +143,10 @@ class PosixEnv final : public Env {
     bool direct = false;
     switch (mode) {
       case OpenMode::Read:
-        flags |= O_RDONLY;
+        // O_NONBLOCK: a FIFO (or a device) put where a checkpoint file belongs would otherwise
+        // block this open forever; it is refused below instead. For a regular file the flag
+        // changes nothing.
+        flags |= O_RDONLY | O_NONBLOCK;
         break;
       case OpenMode::CreateExclusive:
         flags |= O_WRONLY | O_CREAT | O_EXCL;
@@ -142,6 +168,7 @@ class PosixEnv final : public Env {
       }
       throw posix_error(fmt::format("open of {}", path), errno);
     }
+    if (mode == OpenMode::Read) require_regular(fd, path, "a checkpoint file");
     return std::make_unique<PosixFile>(path, fd, direct);
   }
 
@@ -205,13 +232,23 @@ class PosixEnv final : public Env {
       if (::stat(path.c_str(), &st) != 0) return info;  // dangling: a link to nothing
     }
     info.is_directory = S_ISDIR(st.st_mode);
+    info.is_regular = S_ISREG(st.st_mode);
     info.size = static_cast<std::uint64_t>(st.st_size);
     return info;
   }
 
   std::unique_ptr<FileLock> lock(const std::string& path) override {
-    int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    // O_NOFOLLOW: a .lock that is a symbolic link must not create or lock its target, which
+    // may lie outside the project.
+    int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0644);
+    if (fd < 0 && errno == ELOOP) {
+      throw Error(ErrorCode::InvalidArgument,
+                  fmt::format("lock file {} is a symbolic link; torchpoint locks only a regular "
+                              "file it creates itself: remove the link",
+                              path));
+    }
     if (fd < 0) throw posix_error(fmt::format("open of lock file {}", path), errno);
+    require_regular(fd, path, "a lock file");
     if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
       int err = errno;
       ::close(fd);

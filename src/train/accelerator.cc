@@ -159,10 +159,20 @@ void Accelerator::apply_total_limit(const std::string& just_written) {
   ProjectLock lock(env_, dir);
   auto all = list_checkpoints();
   auto excess = static_cast<std::int64_t>(all.size()) - *config_.total_limit();
+  std::optional<std::uint64_t> resumed_number;
+  if (!resumed_from_.empty()) resumed_number = parse_checkpoint_name(base_name(resumed_from_));
+  auto newer_than_resumed = [&](std::int64_t number) {
+    return resumed_number && static_cast<std::uint64_t>(number) > *resumed_number &&
+           number < first_own_number_;
+  };
   for (const auto& [number, path] : all) {
     if (excess <= 0) break;
     // Never the checkpoint just committed, nor the one this run resumed from.
     if (path == just_written || path == resumed_from_) continue;
+    // Nor one that was there, newer than the checkpoint this run resumed from (after
+    // load_state() of an older one), unless its own checksums prove it corrupt: it holds
+    // progress this run lacks.
+    if (newer_than_resumed(number) && !verify(path, env_).proven_corrupt()) continue;
     // Renamed to a temporary name first, so that a crash mid-removal leaves something the next
     // save sweeps away, never a half-deleted directory that still looks committed.
     std::string doomed = join_path(dir, temp_name(base_name(path)));
@@ -183,6 +193,18 @@ LoadStateReport Accelerator::load_state(const std::string& input_dir) {
       if (verified.ok()) {
         path = it->second;
         break;
+      }
+      if (!verified.proven_corrupt()) {
+        // Unreadable (permissions, I/O error) or written by a newer torchpoint: its contents
+        // may be intact. Resuming from an older one would silently lose its progress, and the
+        // next save's total_limit could delete it.
+        throw Error(verified.worst_code(),
+                    fmt::format("the newest checkpoint {} cannot be loaded, and nothing shows it "
+                                "is corrupt, so it is not passed over: {}. Fix the cause (file "
+                                "permissions, the disk, a newer torchpoint) and load again; to "
+                                "resume from an older one instead, move {} aside or pass that "
+                                "one's path to load_state()",
+                                it->second, verified.problems.front(), it->second));
       }
       std::string why = fmt::format("{}: {}", it->second, verified.problems.front());
       std::fprintf(stderr, "torchpoint: skipping invalid checkpoint %s\n", why.c_str());
@@ -233,6 +255,7 @@ LoadStateReport Accelerator::load_state(const std::string& input_dir) {
     if (auto n = parse_checkpoint_name(base_name(path))) next = static_cast<std::int64_t>(*n) + 1;
     for (const auto& [number, p] : list_checkpoints()) next = std::max(next, number + 1);
     config_.iteration(next);
+    first_own_number_ = next;
   }
   resumed_from_ = path;
   report.path = path;
