@@ -44,7 +44,7 @@ struct ProjectConfiguration {
 struct LoadStateReport {
   std::string path;                     // the checkpoint loaded
   std::vector<std::string> components;  // file names restored, RNG last
-  std::vector<std::string> skipped;     // newer checkpoints passed over as invalid, with why
+  std::vector<std::string> skipped;     // newer checkpoints passed over as corrupt, with why
   std::int64_t step = 0;
   // The LibTorch version that wrote the checkpoint ("1.13.0"; empty if not recorded).
   std::string libtorch_version;
@@ -108,11 +108,16 @@ class Accelerator {
   // <project_dir>/checkpoints/checkpoint_<iteration> (then iteration + 1, and total_limit is
   // applied after the commit); otherwise to `output_dir`, which is then required. Returns the
   // path written. On failure every committed checkpoint is kept and nothing new is visible.
+  // total_limit never deletes the checkpoint this run resumed from, nor a valid one newer
+  // than it that was there before this run (only one proven corrupt).
   std::string save_state(const std::string& output_dir = "");
 
   // Restores everything save_state() wrote. With no argument, the newest valid checkpoint under
-  // <project_dir>/checkpoints (numeric order; invalid or uncommitted ones are skipped with a
-  // warning on stderr naming them). Every file is verified and every component name checked
+  // <project_dir>/checkpoints (numeric order; uncommitted ones are ignored, and newer ones
+  // proven corrupt by their own checksums are skipped with a warning on stderr naming them).
+  // A newer one that cannot be read (permissions, an I/O error, a FIFO) or was written by a
+  // newer torchpoint is not passed over: load_state() throws naming it (IOError, Incompatible,
+  // ...), since resuming from an older one would lose its progress. Every file is verified and every component name checked
   // before anything changes; should a component still refuse its state, the ones already
   // restored are put back (a copy of the current state is held while loading). RNG state goes
   // back last. With automatic naming, the next save_state() writes checkpoint_<n + 1>, or
