@@ -382,6 +382,23 @@ TEST(CliLs, PicksTheHighestNumberNotTheLexicallyLast) {
   EXPECT_EQ(j["latest"], "checkpoint_10");
 }
 
+// A file name is any bytes: one that is not UTF-8 is shown with U+FFFD in its place, and the
+// JSON stays valid (before, ls --json and verify --json failed with a json.exception).
+TEST(CliLs, NamesThatAreNotUtf8KeepTheJsonValid) {
+  TempDir tmp;
+  const std::string name = "epoch-3\xff.ckpt";
+  save_file_checkpoint(tmp / name, 3, 0);
+  Result ls = tp({"ls", tmp.path(), "--json"});
+  ASSERT_EQ(ls.status, 0) << ls.err;
+  Json j = parse_json(ls);
+  ASSERT_EQ(j["checkpoints"].size(), 1u);
+  EXPECT_EQ(j["checkpoints"][0]["name"], "epoch-3\xef\xbf\xbd.ckpt");
+  EXPECT_EQ(j["checkpoints"][0]["status"], "valid");
+  Result verify = tp({"verify", "--json", tmp / name});
+  ASSERT_EQ(verify.status, 0) << verify.err;
+  EXPECT_EQ(parse_json(verify)["results"][0]["ok"], true) << verify.out;
+}
+
 TEST(CliLs, ListsFileCheckpoints) {
   TempDir tmp;
   save_file_checkpoint(tmp / "epoch-9.ckpt", 9, 0);

@@ -48,7 +48,11 @@ Json json_double(double value) {
   return format_double(value);
 }
 
-void print_json(std::ostream& out, const Json& value) { out << value.dump(2) << '\n'; }
+// Names that are not UTF-8 (a file name is any bytes) are printed with U+FFFD in their place,
+// so the output stays valid JSON.
+void print_json(std::ostream& out, const Json& value) {
+  out << value.dump(2, ' ', false, Json::error_handler_t::replace) << '\n';
+}
 
 void write_file_atomically(const std::string& path, std::string_view bytes) {
   torchpoint::write_file_atomically(Env::posix(), path, bytes);

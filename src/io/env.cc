@@ -31,7 +31,7 @@ Error posix_error(const std::string& context, int err) {
       break;
     case EACCES:
     case EPERM:
-      hint = "check the permissions of the directory";
+      hint = "check the permissions of the file and of the directories above it";
       break;
     case EIO:
       hint = "the device reported an error: the data written may be lost";

@@ -29,13 +29,14 @@ at::Tensor load_storage(const detail::TorchZip& zip, const std::string& path,
         fmt::format("{}: the bytes of storage '{}' (record '{}') are missing", path, key, name));
   }
   std::uint64_t bytes = 0;
-  if (__builtin_mul_overflow(static_cast<std::uint64_t>(numel), c10::elementSize(dtype), &bytes) ||
-      zip.size(name) != bytes) {
+  const bool overflow =
+      __builtin_mul_overflow(static_cast<std::uint64_t>(numel), c10::elementSize(dtype), &bytes);
+  if (overflow || zip.size(name) != bytes) {
     throw Error(ErrorCode::Corruption,
                 fmt::format("{}: record '{}' holds {} bytes, but its storage of {} {} elements "
                             "needs {}",
                             path, name, zip.size(name), numel, c10::toString(dtype),
-                            numel * static_cast<std::int64_t>(c10::elementSize(dtype))));
+                            overflow ? std::string("more than 2^64") : std::to_string(bytes)));
   }
   std::string_view raw = zip.read(name);
   if (dtype == c10::ScalarType::Bool) {
