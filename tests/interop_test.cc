@@ -4,6 +4,7 @@
 
 #include <sys/wait.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -200,6 +201,17 @@ TEST_F(FromPython, NewerDtypesLoadBitForBitOrAreRefusedByName) {
   const at::Tensor& row = sd.tensor("uint16_row");
   EXPECT_TRUE(row.is_alias_of(whole)) << "the view shares its storage";
   EXPECT_EQ(row.storage_offset(), 4);
+}
+
+// A file of 100 GiB (sparse: nothing is written) is read from its end, never whole: before,
+// load_torch_state_dict read it into memory and died with std::bad_alloc.
+TEST(TorchZipReader, AHugeSparseFileIsRefusedFromItsEnd) {
+  testing::TempDir dir;
+  const std::string path = dir / "huge.pt";
+  { std::ofstream touch(path); }
+  ASSERT_EQ(::truncate(path.c_str(), std::int64_t{100} << 30), 0);
+  testing::expect_error([&] { load_torch_state_dict(path); }, ErrorCode::Corruption,
+                        {path, "no end-of-central-directory record"});
 }
 
 // Where the bytes of record `name` begin in zip `bytes` (found from its local header).

@@ -756,7 +756,9 @@ TEST(SpecialFiles, ALockThatIsASymlinkIsRefusedAndItsTargetNotCreated) {
   const std::string target = elsewhere / "victim";
   ASSERT_EQ(::symlink(target.c_str(), (dir / ".lock").c_str()), 0);
   expect_error(
-      [&] { save_directory(dir / "checkpoint_0", {{"model", {{{"w", at::ones({2})}}, {}}}}); },
+      [&] {
+        save_directory(dir / "checkpoint_0", {{"model", {{{"w", at::ones({2})}}, {}}}});
+      },
       ErrorCode::InvalidArgument, {".lock", "symbolic link"});
   EXPECT_FALSE(Env::posix().stat(target).exists) << "the link's target was created";
   EXPECT_FALSE(Env::posix().stat(dir / "checkpoint_0").exists);

@@ -117,11 +117,11 @@ class Accelerator {
   // proven corrupt by their own checksums are skipped with a warning on stderr naming them).
   // A newer one that cannot be read (permissions, an I/O error, a FIFO) or was written by a
   // newer torchpoint is not passed over: load_state() throws naming it (IOError, Incompatible,
-  // ...), since resuming from an older one would lose its progress. Every file is verified and every component name checked
-  // before anything changes; should a component still refuse its state, the ones already
-  // restored are put back (a copy of the current state is held while loading). RNG state goes
-  // back last. With automatic naming, the next save_state() writes checkpoint_<n + 1>, or
-  // after the newest existing checkpoint when the one loaded was older.
+  // ...), since resuming from an older one would lose its progress. Every file is verified and
+  // every component name checked before anything changes; should a component still refuse its
+  // state, the ones already restored are put back (a copy of the current state is held while
+  // loading). RNG state goes back last. With automatic naming, the next save_state() writes
+  // checkpoint_<n + 1>, or after the newest existing checkpoint when the one loaded was older.
   LoadStateReport load_state(const std::string& input_dir = "");
 
   // The next iteration of `loader` starts `num_batches` batches into the current epoch without

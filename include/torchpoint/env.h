@@ -82,7 +82,7 @@ struct FileInfo {
   bool exists = false;
   bool is_directory = false;  // of the target, for a symbolic link
   bool is_symlink = false;
-  bool is_regular = false;    // a regular file (not a FIFO, socket, device); of the target
+  bool is_regular = false;  // a regular file (not a FIFO, socket, device); of the target
   std::uint64_t size = 0;
 };
 

@@ -1,8 +1,10 @@
 #include "torchpoint/interop.h"
 
 #include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <bit>
 #include <cstring>
 
@@ -38,34 +40,35 @@ at::Tensor load_storage(const detail::TorchZip& zip, const std::string& path,
                             path, name, zip.size(name), numel, c10::toString(dtype),
                             overflow ? std::string("more than 2^64") : std::to_string(bytes)));
   }
-  std::string_view raw = zip.read(name);
+  at::Tensor out = at::empty({numel}, at::TensorOptions().dtype(dtype));
+  if (bytes > 0) zip.read_into(name, out.data_ptr());  // straight into the tensor: one copy
   if (dtype == c10::ScalarType::Bool) {
     // Any byte but 0 and 1 would be an invalid bool in C++.
-    for (char c : raw) {
-      if (static_cast<std::uint8_t>(c) > 1) {
+    const auto* raw = static_cast<const std::uint8_t*>(out.data_ptr());
+    for (std::uint64_t i = 0; i < bytes; ++i) {
+      if (raw[i] > 1) {
         throw Error(
             ErrorCode::Corruption,
             fmt::format("{}: bool storage '{}' holds a byte that is neither 0 nor 1", path, key));
       }
     }
   }
-  at::Tensor out = at::empty({numel}, at::TensorOptions().dtype(dtype));
-  if (bytes > 0) std::memcpy(out.data_ptr(), raw.data(), bytes);
   return out;
 }
 
-}  // namespace
-
-StateDict load_torch_state_dict(const std::string& path, Env& env) {
-  std::string bytes = env.read_file(path);
-  if (std::string_view(bytes).starts_with(kLegacyMagic)) {
+// The body of load_torch_state_dict, which turns allocation failures into Errors.
+StateDict load_torch_state_dict_impl(const std::string& path, Env& env) {
+  std::unique_ptr<File> file = env.open(path, OpenMode::Read);
+  std::string magic(std::min<std::uint64_t>(file->size(), kLegacyMagic.size()), '\0');
+  file->read_exact(magic.data(), magic.size(), 0);
+  if (magic == kLegacyMagic) {
     throw Error(ErrorCode::Unsupported,
                 fmt::format("{} was written by torch.save in the format before PyTorch 1.6 "
                             "(_use_new_zipfile_serialization=False); save it again with a "
                             "newer PyTorch's default",
                             path));
   }
-  detail::TorchZip zip(bytes, path);
+  detail::TorchZip zip(*file, path);
   // Storage bytes are little-endian; recent PyTorch records the writer's byte order.
   std::string order_record = zip.prefix() + "/byteorder";
   if (zip.contains(order_record) && zip.read(order_record) != "little") {
@@ -87,6 +90,22 @@ StateDict load_torch_state_dict(const std::string& path, Env& env) {
   out.set_description(path);
   for (auto& [key, tensor] : entries) out.set(key, std::move(tensor));
   return out;
+}
+
+}  // namespace
+
+StateDict load_torch_state_dict(const std::string& path, Env& env) {
+  try {
+    return load_torch_state_dict_impl(path, env);
+  } catch (const std::bad_alloc&) {
+    // A storage too large for this machine's memory (or a hostile size that passed every
+    // check because the file really is that large, sparse).
+    throw Error(ErrorCode::Unsupported,
+                fmt::format("{}: its tensors do not fit in this process's memory", path));
+  } catch (const c10::Error& e) {
+    throw Error(ErrorCode::Unsupported, fmt::format("{}: LibTorch could not build its tensors: {}",
+                                                    path, e.what_without_backtrace()));
+  }
 }
 
 ForeignContainer load_safetensors(const std::string& path, Env& env) {

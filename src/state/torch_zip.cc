@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <array>
 #include <bit>
 #include <cstring>
@@ -25,6 +26,8 @@ constexpr std::uint64_t kZip64EndSize = 56;
 constexpr std::uint64_t kZip64LocatorSize = 20;
 constexpr std::uint16_t kZip64ExtraId = 0x0001;
 constexpr std::uint64_t kMaxComment = 0xffff;
+// The most directory bytes read: far above any real state dict, far below a hostile claim.
+constexpr std::uint64_t kMaxDirectory = std::uint64_t{1} << 30;
 
 // Little-endian integer of `n` bytes at `at`; the caller has checked the bounds.
 std::uint64_t le(std::string_view b, std::uint64_t at, int n) {
@@ -80,46 +83,66 @@ void TorchZip::fail(const std::string& cause) const {
                           path_, cause));
 }
 
-TorchZip::TorchZip(std::string_view bytes, std::string path)
-    : bytes_(bytes), path_(std::move(path)) {
-  const std::uint64_t n = bytes_.size();
+std::string TorchZip::bytes_at(std::uint64_t offset, std::uint64_t size) const {
+  // Callers bound `size` by the archive's size (or a smaller limit) first.
+  std::string out(size, '\0');
+  file_.read_exact(out.data(), size, offset);
+  return out;
+}
+
+TorchZip::TorchZip(File& file, std::string path) : file_(file), path_(std::move(path)) {
+  const std::uint64_t n = file_.size();
   if (n < kEndSize) fail("too short to be a zip archive (truncated?)");
-  // The end record is the last 22 bytes plus a comment of up to 64 KiB: search backwards for
-  // a signature whose comment length reaches exactly the end of the file.
+  // The end record is the last 22 bytes plus a comment of up to 64 KiB: search backwards in
+  // that tail (only it is read, however large the file) for a signature whose comment length
+  // reaches exactly the end of the file. A ZIP64 locator sits just before it.
+  const std::uint64_t window =
+      std::min<std::uint64_t>(n, kEndSize + kMaxComment + kZip64LocatorSize);
+  const std::uint64_t base = n - window;
+  const std::string tail = bytes_at(base, window);
   std::uint64_t end = n;
-  std::uint64_t lowest = n - kEndSize > kMaxComment ? n - kEndSize - kMaxComment : 0;
-  for (std::uint64_t p = n - kEndSize + 1; p-- > lowest;) {
-    if (le(bytes_, p, 4) == kEndSig && p + kEndSize + le(bytes_, p + 20, 2) == n) {
+  for (std::uint64_t p = window - kEndSize + 1; p-- > 0;) {
+    if (le(tail, p, 4) == kEndSig && base + p + kEndSize + le(tail, p + 20, 2) == n) {
       end = p;
       break;
     }
   }
   if (end == n) fail("no end-of-central-directory record (truncated or not a zip archive)");
-  if (le(bytes_, end + 4, 2) != 0 || le(bytes_, end + 6, 2) != 0) {
+  if (le(tail, end + 4, 2) != 0 || le(tail, end + 6, 2) != 0) {
     fail("the archive spans several disks");
   }
-  std::uint64_t count = le(bytes_, end + 10, 2);
-  std::uint64_t dir_size = le(bytes_, end + 12, 4);
-  std::uint64_t dir_offset = le(bytes_, end + 16, 4);
-  std::uint64_t dir_end = end;
+  std::uint64_t count = le(tail, end + 10, 2);
+  std::uint64_t dir_size = le(tail, end + 12, 4);
+  std::uint64_t dir_offset = le(tail, end + 16, 4);
+  std::uint64_t dir_end = base + end;
   // torch.save always writes a ZIP64 end record (located by the 20 bytes before the plain
   // one); its counts are the authoritative ones.
-  if (end >= kZip64LocatorSize && le(bytes_, end - kZip64LocatorSize, 4) == kZip64LocatorSig) {
-    std::uint64_t locator = end - kZip64LocatorSize;
-    std::uint64_t at = le(bytes_, locator + 8, 8);
-    if (at > locator || locator - at < kZip64EndSize || le(bytes_, at, 4) != kZip64EndSig) {
+  if (end >= kZip64LocatorSize && le(tail, end - kZip64LocatorSize, 4) == kZip64LocatorSig) {
+    const std::uint64_t locator = base + end - kZip64LocatorSize;
+    const std::uint64_t at = le(tail, end - kZip64LocatorSize + 8, 8);
+    if (at > locator || locator - at < kZip64EndSize) {
       fail("the ZIP64 end-of-central-directory record is missing or out of place");
     }
-    count = le(bytes_, at + 32, 8);
-    dir_size = le(bytes_, at + 40, 8);
-    dir_offset = le(bytes_, at + 48, 8);
+    const std::string record = bytes_at(at, kZip64EndSize);
+    if (le(record, 0, 4) != kZip64EndSig) {
+      fail("the ZIP64 end-of-central-directory record is missing or out of place");
+    }
+    count = le(record, 32, 8);
+    dir_size = le(record, 40, 8);
+    dir_offset = le(record, 48, 8);
     dir_end = at;
   }
   if (dir_offset > dir_end || dir_size > dir_end - dir_offset) {
     fail(fmt::format("the central directory ({} bytes at {}) lies outside the archive", dir_size,
                      dir_offset));
   }
-  read_directory(dir_offset, dir_size, count);
+  if (dir_size > kMaxDirectory) {
+    fail(
+        fmt::format("the central directory is {} bytes, over the {} byte limit (a state dict "
+                    "of a million tensors needs about 100 MB)",
+                    dir_size, kMaxDirectory));
+  }
+  read_directory(dir_offset, bytes_at(dir_offset, dir_size), count);
   if (records_.empty()) fail("the archive has no records");
   const std::string& first = records_.front().name;
   std::size_t slash = first.find('/');
@@ -129,38 +152,39 @@ TorchZip::TorchZip(std::string_view bytes, std::string path)
   prefix_ = first.substr(0, slash);
 }
 
-void TorchZip::read_directory(std::uint64_t offset, std::uint64_t size, std::uint64_t count) {
+void TorchZip::read_directory(std::uint64_t offset, const std::string& dir, std::uint64_t count) {
   directory_offset_ = offset;
+  const std::uint64_t size = dir.size();
   // Every entry takes at least 46 bytes, which bounds the count before anything is reserved.
   if (count > size / kCentralHeaderSize) {
     fail(fmt::format("the directory claims {} records in {} bytes", count, size));
   }
   records_.reserve(count);
-  std::uint64_t at = offset;
-  const std::uint64_t limit = offset + size;
+  std::uint64_t at = 0;
+  const std::uint64_t limit = size;
   for (std::uint64_t i = 0; i < count; ++i) {
-    if (limit - at < kCentralHeaderSize || le(bytes_, at, 4) != kCentralHeaderSig) {
+    if (limit - at < kCentralHeaderSize || le(dir, at, 4) != kCentralHeaderSig) {
       fail(fmt::format("directory entry {} is damaged", i));
     }
-    std::uint64_t flags = le(bytes_, at + 8, 2);
-    std::uint64_t method = le(bytes_, at + 10, 2);
+    std::uint64_t flags = le(dir, at + 8, 2);
+    std::uint64_t method = le(dir, at + 10, 2);
     Record r;
-    r.crc32 = static_cast<std::uint32_t>(le(bytes_, at + 16, 4));
-    std::uint64_t packed = le(bytes_, at + 20, 4);
-    r.size = le(bytes_, at + 24, 4);
-    std::uint64_t name_len = le(bytes_, at + 28, 2);
-    std::uint64_t extra_len = le(bytes_, at + 30, 2);
-    std::uint64_t comment_len = le(bytes_, at + 32, 2);
-    r.header_offset = le(bytes_, at + 42, 4);
+    r.crc32 = static_cast<std::uint32_t>(le(dir, at + 16, 4));
+    std::uint64_t packed = le(dir, at + 20, 4);
+    r.size = le(dir, at + 24, 4);
+    std::uint64_t name_len = le(dir, at + 28, 2);
+    std::uint64_t extra_len = le(dir, at + 30, 2);
+    std::uint64_t comment_len = le(dir, at + 32, 2);
+    r.header_offset = le(dir, at + 42, 4);
     std::uint64_t entry_size = kCentralHeaderSize + name_len + extra_len + comment_len;
     if (limit - at < entry_size) fail(fmt::format("directory entry {} is truncated", i));
-    r.name.assign(bytes_.substr(at + kCentralHeaderSize, name_len));
+    r.name = dir.substr(at + kCentralHeaderSize, name_len);
     // Sizes and offsets that do not fit in 32 bits are in the ZIP64 extra field, in this order.
     std::uint64_t extra = at + kCentralHeaderSize + name_len;
     const std::uint64_t extra_end = extra + extra_len;
     while (extra_end - extra >= 4) {
-      std::uint64_t id = le(bytes_, extra, 2);
-      std::uint64_t len = le(bytes_, extra + 2, 2);
+      std::uint64_t id = le(dir, extra, 2);
+      std::uint64_t len = le(dir, extra + 2, 2);
       if (extra_end - extra - 4 < len) fail(fmt::format("record '{}': bad extra field", r.name));
       if (id == kZip64ExtraId) {
         std::uint64_t field = extra + 4;
@@ -169,7 +193,7 @@ void TorchZip::read_directory(std::uint64_t offset, std::uint64_t size, std::uin
           if (extra + 4 + len - field < 8) {
             fail(fmt::format("record '{}': short ZIP64 extra field", r.name));
           }
-          value = le(bytes_, field, 8);
+          value = le(dir, field, 8);
           field += 8;
         };
         take(r.size);
@@ -211,30 +235,39 @@ std::uint64_t TorchZip::size(const std::string& name) const {
   return it == index_.end() ? 0 : records_[it->second].size;
 }
 
-std::string_view TorchZip::read(const std::string& name) const {
+void TorchZip::read_into(const std::string& name, void* out) const {
   auto it = index_.find(name);
   if (it == index_.end()) fail(fmt::format("record '{}' is missing", name));
   const Record& r = records_[it->second];
-  // The directory checked header_offset < directory_offset_ <= bytes_.size().
+  // The directory checked header_offset < directory_offset_ <= the file's size.
   std::uint64_t at = r.header_offset;
-  if (directory_offset_ - at < kLocalHeaderSize || le(bytes_, at, 4) != kLocalHeaderSig) {
+  if (directory_offset_ - at < kLocalHeaderSize) {
     fail(fmt::format("the local header of record '{}' is damaged", name));
   }
-  std::uint64_t name_len = le(bytes_, at + 26, 2);
-  std::uint64_t extra_len = le(bytes_, at + 28, 2);
+  const std::string header = bytes_at(at, kLocalHeaderSize);
+  if (le(header, 0, 4) != kLocalHeaderSig) {
+    fail(fmt::format("the local header of record '{}' is damaged", name));
+  }
+  std::uint64_t name_len = le(header, 26, 2);
+  std::uint64_t extra_len = le(header, 28, 2);
   std::uint64_t data = at + kLocalHeaderSize + name_len + extra_len;
   if (data > directory_offset_ || r.size > directory_offset_ - data) {
     fail(fmt::format("record '{}' ({} bytes) runs past the end of the data (truncated?)", name,
                      r.size));
   }
-  if (bytes_.substr(at + kLocalHeaderSize, name_len) != name) {
+  if (bytes_at(at + kLocalHeaderSize, name_len) != name) {
     fail(fmt::format("the local header of record '{}' names another record", name));
   }
-  std::string_view out = bytes_.substr(data, r.size);
+  if (r.size > 0) file_.read_exact(out, r.size, data);
   // A zero CRC means the writer skipped it (recent PyTorch can be told to), not a check.
-  if (r.crc32 != 0 && crc32(out) != r.crc32) {
+  if (r.crc32 != 0 && crc32(std::string_view(static_cast<const char*>(out), r.size)) != r.crc32) {
     fail(fmt::format("record '{}' fails its CRC-32 check", name));
   }
+}
+
+std::string TorchZip::read(const std::string& name) const {
+  std::string out(size(name), '\0');
+  read_into(name, out.data());
   return out;
 }
 
