@@ -18,6 +18,7 @@
 #include "testing/test_util.h"
 #include "torchpoint/checkpoint_dir.h"
 #include "torchpoint/error.h"
+#include "torchpoint/interop.h"
 #include "torchpoint/tensor_file.h"
 
 namespace torchpoint {
@@ -766,6 +767,62 @@ TEST(SpecialFiles, ALockThatIsASymlinkIsRefusedAndItsTargetNotCreated) {
   ASSERT_EQ(::unlink((dir / ".lock").c_str()), 0);
   save_directory(dir / "checkpoint_0", {{"model", {{{"w", at::ones({2})}}, {}}}});
   EXPECT_TRUE(verify(dir / "checkpoint_0").ok());
+}
+
+}  // namespace
+}  // namespace torchpoint
+
+namespace torchpoint {
+namespace {
+
+// A link inside a checkpoint is refused, not followed (before, a component linked to a valid
+// file elsewhere verified as valid, and one linked to a private file was read).
+TEST(SpecialFiles, LinksInsideACheckpointAreRefused) {
+  TempDir dir;
+  const std::string checkpoint = dir / "checkpoint_0";
+  save_directory(checkpoint, {{"model", {{{"w", at::ones({2})}}, {}}}});
+  for (const char* name : {"model.safetensors", "manifest.json"}) {
+    SCOPED_TRACE(name);
+    const std::string path = checkpoint + "/" + name;
+    const std::string moved = dir / (std::string("real-") + name);
+    ASSERT_EQ(::rename(path.c_str(), moved.c_str()), 0);
+    ASSERT_EQ(::symlink(moved.c_str(), path.c_str()), 0);  // to the very same, valid bytes
+    expect_error([&] { load_directory(checkpoint); }, ErrorCode::InvalidArgument,
+                 {path, "symbolic link", "not followed"});
+    VerifyReport report = verify(checkpoint);
+    EXPECT_FALSE(report.ok());
+    EXPECT_FALSE(report.proven_corrupt());
+    ASSERT_EQ(::unlink(path.c_str()), 0);
+    ASSERT_EQ(::rename(moved.c_str(), path.c_str()), 0);
+  }
+  EXPECT_TRUE(verify(checkpoint).ok()) << "control: the files moved back verify";
+}
+
+// What a reader says about a file that is not a checkpoint never quotes its bytes.
+TEST(BadInput, MessagesNeverQuoteTheFilesBytes) {
+  TempDir dir;
+  const std::string secret = "token=hunter2-SECRET";
+  const std::string text = dir / "private.txt";
+  testing::write_bytes(text, "root:x:0:0:" + secret + "\n");
+  // Header bytes: a length of 30 then JSON garbage holding the secret.
+  const std::string json = dir / "garbage.safetensors";
+  std::string bytes(8, '\0');
+  bytes[0] = 30;
+  bytes += "{\"a\": " + secret + "}     ";
+  testing::write_bytes(json, bytes);
+  for (const std::string& path : {text, json}) {
+    SCOPED_TRACE(path);
+    Error e = expect_error([&] { load_file(path); }, ErrorCode::Corruption);
+    EXPECT_EQ(std::string(e.what()).find("hunter2"), std::string::npos) << e.what();
+    for (const std::string& problem : verify(path).problems) {
+      EXPECT_EQ(problem.find("hunter2"), std::string::npos) << problem;
+    }
+  }
+  // A safetensors file of another writer has its JSON parsed without a checksum first: the
+  // parser's error must not be quoted (it used to print the bytes it last read).
+  Error e = expect_error([&] { load_safetensors(json); }, ErrorCode::Corruption,
+                         {"not valid JSON", "syntax error at byte"});
+  EXPECT_EQ(std::string(e.what()).find("hunter2"), std::string::npos) << e.what();
 }
 
 }  // namespace

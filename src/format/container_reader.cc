@@ -218,9 +218,9 @@ ContainerHeader parse_container_header(std::string_view prefix, std::uint64_t fi
   for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<std::uint8_t>(prefix[i]);
   if (n > kMaxHeaderSize || n > file_size - 8) {
     problems.add(
-        fmt::format("{}: header length {} exceeds {} (file size {}): the file is "
-                    "truncated or not a container",
-                    path, n, std::min<std::uint64_t>(kMaxHeaderSize, file_size - 8), file_size));
+        fmt::format("{}: the header length its first 8 bytes give exceeds {} (file size {}): "
+                    "the file is truncated or not a container",
+                    path, std::min<std::uint64_t>(kMaxHeaderSize, file_size - 8), file_size));
     return header;
   }
   if (prefix.size() < 8 + n) {
@@ -273,8 +273,16 @@ ContainerHeader parse_container_header(std::string_view prefix, std::uint64_t fi
   nlohmann::json root;
   try {
     root = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::parse_error& e) {
+    // The position only: the parser's own message quotes the file's bytes, which need not be
+    // a checkpoint's (a link or a stray file may hold anything).
+    problems.add(
+        fmt::format("{}: header is not valid JSON (syntax error at byte {} of the "
+                    "header)",
+                    path, e.byte));
+    return header;
   } catch (const nlohmann::json::exception& e) {
-    problems.add(fmt::format("{}: header is not valid JSON ({})", path, e.what()));
+    problems.add(fmt::format("{}: header is not valid JSON (error {})", path, e.id));
     return header;
   }
   if (!root.is_object()) {

@@ -111,6 +111,15 @@ void save_directory(const std::string& path, const std::vector<Component>& compo
 }
 
 // Opens the manifest of a directory checkpoint with a clear error when it is not one.
+// torchpoint never writes a link into a checkpoint: one there points anywhere (a valid file
+// elsewhere, a private one), so it is refused rather than followed.
+[[noreturn]] static void refuse_link(const std::string& file_path, const std::string& checkpoint) {
+  throw Error(ErrorCode::InvalidArgument,
+              fmt::format("{} is a symbolic link; the files of checkpoint {} are never links, "
+                          "so it is not followed: replace it with the file itself",
+                          file_path, checkpoint));
+}
+
 static Manifest load_manifest(Env& env, const std::string& path, Problems& problems) {
   FileInfo info = env.stat(path);
   if (!info.exists) {
@@ -122,7 +131,9 @@ static Manifest load_manifest(Env& env, const std::string& path, Problems& probl
         fmt::format("{} is a file, not a checkpoint directory; load it with load_file", path));
   }
   std::string manifest_path = join_path(path, kManifestFileName);
-  if (!env.stat(manifest_path).exists) {
+  FileInfo manifest_info = env.stat(manifest_path);
+  if (manifest_info.is_symlink) refuse_link(manifest_path, path);
+  if (!manifest_info.exists) {
     throw Error(ErrorCode::NotFound,
                 fmt::format("{} has no {}: it is not a torchpoint checkpoint, or its save never "
                             "committed",
@@ -142,6 +153,7 @@ DirectoryCheckpoint load_directory(const std::string& path, Env& env) {
   for (const ManifestFile& f : manifest.files) {
     std::string file_path = join_path(path, f.name);
     FileInfo info = env.stat(file_path);
+    if (info.is_symlink) refuse_link(file_path, path);
     if (!info.exists) {
       throw Error(ErrorCode::Corruption,
                   fmt::format("{} is listed in the manifest of {} but missing", f.name, path));
@@ -183,6 +195,14 @@ VerifyReport verify_directory(const std::string& path, Env& env) {
     listed.insert(f.name);
     std::string file_path = join_path(path, f.name);
     FileInfo info = env.stat(file_path);
+    if (info.is_symlink) {
+      try {
+        refuse_link(file_path, path);
+      } catch (const Error& e) {
+        report.add(e.what(), e.code());
+      }
+      continue;
+    }
     if (!info.exists) {
       report.add(fmt::format("{}: listed in the manifest but missing", file_path),
                  ErrorCode::Corruption);

@@ -123,8 +123,13 @@ Manifest parse_manifest(std::string_view bytes, const std::string& path, Problem
   ojson root;
   try {
     root = ojson::parse(bytes);
+  } catch (const ojson::parse_error& e) {
+    // The position only: the parser's message quotes the file's bytes (see container_reader).
+    problems.add(
+        fmt::format("{}: the manifest is not valid JSON (syntax error at byte {})", path, e.byte));
+    return m;
   } catch (const ojson::exception& e) {
-    problems.add(fmt::format("{}: the manifest is not valid JSON ({})", path, e.what()));
+    problems.add(fmt::format("{}: the manifest is not valid JSON (error {})", path, e.id));
     return m;
   }
   auto bad = [&](const std::string& why) { problems.add(fmt::format("{}: {}", path, why)); };
