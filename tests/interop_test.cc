@@ -203,6 +203,41 @@ TEST_F(FromPython, NewerDtypesLoadBitForBitOrAreRefusedByName) {
   EXPECT_EQ(row.storage_offset(), 4);
 }
 
+// save_torch_state_dict writes what load_torch_state_dict (and torch.load, in cli_test) reads
+// back bit for bit: every dtype this LibTorch has, 0-d, empty and non-contiguous tensors.
+TEST(TorchSave, RoundTripsThroughTheReader) {
+  testing::TempDir dir;
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  std::uint64_t seed = 1;
+  for (c10::ScalarType type : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kLong,
+                               at::kInt, at::kShort, at::kChar, at::kByte, at::kBool}) {
+    tensors.emplace_back(fmt::format("t{}", seed), testing::make_tensor(type, {3, 4}, seed));
+    ++seed;
+  }
+  for (const char* name : {"U16", "U32", "U64", "F8_E4M3", "F8_E5M2"}) {
+    if (auto type = compat::scalar_type_for(name)) {
+      tensors.emplace_back(name, testing::make_tensor(*type, {5}, seed++));
+    }
+  }
+  tensors.emplace_back("scalar", at::scalar_tensor(1.5, at::kDouble));
+  tensors.emplace_back("empty", at::zeros({0, 3}));
+  tensors.emplace_back("transposed", testing::make_tensor(at::kFloat, {4, 6}, 99).t());
+  save_torch_state_dict(dir / "out.pt", tensors);
+  StateDict back = load_torch_state_dict(dir / "out.pt");
+  ASSERT_EQ(back.size(), tensors.size());
+  std::size_t i = 0;
+  for (const auto& [name, t] : tensors) {
+    EXPECT_EQ(back.keys()[i++], name);
+    EXPECT_TRUE(testing::bitwise_equal(back.tensor(name), t)) << name;
+  }
+  testing::expect_error(
+      [&] {
+        save_torch_state_dict(dir / "bad.pt", {{"z", at::zeros({2}, at::kComplexFloat)}});
+      },
+      ErrorCode::Unsupported, {"'z'", "ComplexFloat"});
+  EXPECT_FALSE(Env::posix().stat(dir / "bad.pt").exists);
+}
+
 // A file of 100 GiB (sparse: nothing is written) is read from its end, never whole: before,
 // load_torch_state_dict read it into memory and died with std::bad_alloc.
 TEST(TorchZipReader, AHugeSparseFileIsRefusedFromItsEnd) {
