@@ -56,6 +56,19 @@ inline OptimizerStateKey optimizer_state_key(const at::Tensor& param) {
 // runs the same steps on both versions.
 void zero_grad(torch::optim::Optimizer& optimizer);
 
+// The dtypes that only some LibTorch versions have (none of them is in 1.13): their
+// safetensors name, Python name (torch.save writes them with _rebuild_tensor_v3) and size.
+struct NewerDtype {
+  std::string_view safetensors;
+  std::string_view python;
+  std::size_t size;
+};
+inline constexpr NewerDtype kNewerDtypes[] = {{"U16", "uint16", 2},
+                                              {"U32", "uint32", 4},
+                                              {"U64", "uint64", 8},
+                                              {"F8_E4M3", "float8_e4m3fn", 1},
+                                              {"F8_E5M2", "float8_e5m2", 1}};
+
 // A dtype by its safetensors name (F8_E4M3, U16, ...), or nullopt where this LibTorch has no
 // such dtype (float8 and the wide unsigned integers are absent from 1.13).
 std::optional<at::ScalarType> scalar_type_for(std::string_view safetensors_name);

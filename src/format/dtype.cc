@@ -10,13 +10,6 @@
 namespace torchpoint {
 namespace {
 
-struct Newer {
-  std::string_view name;
-  std::size_t size;
-};
-// safetensors dtypes that only some LibTorch versions have (none of them is in 1.13).
-constexpr Newer kNewer[] = {{"U16", 2}, {"U32", 4}, {"U64", 8}, {"F8_E4M3", 1}, {"F8_E5M2", 1}};
-
 // Every safetensors dtype the running LibTorch can hold.
 const std::vector<DtypeInfo>& dtypes() {
   static const std::vector<DtypeInfo> table = [] {
@@ -27,8 +20,10 @@ const std::vector<DtypeInfo>& dtypes() {
         {c10::ScalarType::Half, "F16", 2},  {c10::ScalarType::BFloat16, "BF16", 2},
         {c10::ScalarType::Float, "F32", 4}, {c10::ScalarType::Double, "F64", 8},
     };
-    for (const Newer& n : kNewer) {
-      if (auto type = compat::scalar_type_for(n.name)) t.push_back({*type, n.name, n.size});
+    for (const compat::NewerDtype& n : compat::kNewerDtypes) {
+      if (auto type = compat::scalar_type_for(n.safetensors)) {
+        t.push_back({*type, n.safetensors, n.size});
+      }
     }
     return t;
   }();
@@ -58,8 +53,8 @@ std::optional<DtypeInfo> dtype_from_name(std::string_view name, bool* known_unsu
   for (const DtypeInfo& info : dtypes()) {
     if (info.name == name) return info;
   }
-  for (const Newer& n : kNewer) {
-    if (n.name == name) *known_unsupported = true;
+  for (const compat::NewerDtype& n : compat::kNewerDtypes) {
+    if (n.safetensors == name) *known_unsupported = true;
   }
   return std::nullopt;
 }

@@ -69,30 +69,6 @@ struct Tensor {
 };
 using Object = std::variant<Str, Tuple, List, Dict, Global, Storage, Tensor>;
 
-struct StorageType {
-  std::string_view name;
-  c10::ScalarType dtype;
-};
-constexpr StorageType kStorageTypes[] = {
-    {"FloatStorage", c10::ScalarType::Float}, {"DoubleStorage", c10::ScalarType::Double},
-    {"HalfStorage", c10::ScalarType::Half},   {"BFloat16Storage", c10::ScalarType::BFloat16},
-    {"LongStorage", c10::ScalarType::Long},   {"IntStorage", c10::ScalarType::Int},
-    {"ShortStorage", c10::ScalarType::Short}, {"CharStorage", c10::ScalarType::Char},
-    {"ByteStorage", c10::ScalarType::Byte},   {"BoolStorage", c10::ScalarType::Bool},
-};
-
-// The dtypes torch.save (2.x) writes with _rebuild_tensor_v3, by their Python names, and their
-// safetensors names (which compat maps to this LibTorch's dtype, where it has one).
-struct NewerDtype {
-  std::string_view python;
-  std::string_view safetensors;
-};
-constexpr NewerDtype kNewerDtypes[] = {{"uint16", "U16"},
-                                       {"uint32", "U32"},
-                                       {"uint64", "U64"},
-                                       {"float8_e4m3fn", "F8_E4M3"},
-                                       {"float8_e5m2", "F8_E5M2"}};
-
 class Unpickler {
  public:
   Unpickler(std::string_view data, const StorageLoader& load, const std::string& where)
@@ -423,7 +399,7 @@ class Unpickler {
       return {Callable::kStorageType, full, c10::ScalarType::Byte};
     }
     if (module == "torch") {
-      for (const NewerDtype& d : kNewerDtypes) {
+      for (const compat::NewerDtype& d : compat::kNewerDtypes) {
         if (d.python != name) continue;
         auto type = compat::scalar_type_for(d.safetensors);
         if (!type) {

@@ -1,7 +1,7 @@
 // An interpreter for the pickle that torch.save writes for a state dict (data.pkl, protocol 2):
 // a dict or collections.OrderedDict of names to tensors, each tensor rebuilt by
-// torch._utils._rebuild_tensor_v2 from a storage named by a persistent id. It constructs no
-// Python objects beyond those, and treats the bytes as hostile: bounded stack and memo, every
+// torch._utils._rebuild_tensor_v2 (or _v3) from a storage named by a persistent id. It constructs
+// no Python objects beyond those, and treats the bytes as hostile: bounded stack and memo, every
 // length and index checked before use, tensors checked against their storage.
 #pragma once
 
@@ -15,6 +15,20 @@
 #include <vector>
 
 namespace torchpoint::detail {
+
+// The typed storage classes of torch.save (torch.FloatStorage, ...) and their dtypes: what
+// _rebuild_tensor_v2 tensors are built on, read here and written by save_torch_state_dict.
+struct StorageType {
+  std::string_view name;
+  c10::ScalarType dtype;
+};
+inline constexpr StorageType kStorageTypes[] = {
+    {"FloatStorage", c10::ScalarType::Float}, {"DoubleStorage", c10::ScalarType::Double},
+    {"HalfStorage", c10::ScalarType::Half},   {"BFloat16Storage", c10::ScalarType::BFloat16},
+    {"LongStorage", c10::ScalarType::Long},   {"IntStorage", c10::ScalarType::Int},
+    {"ShortStorage", c10::ScalarType::Short}, {"CharStorage", c10::ScalarType::Char},
+    {"ByteStorage", c10::ScalarType::Byte},   {"BoolStorage", c10::ScalarType::Bool},
+};
 
 // Returns the bytes of storage `key` as a 1-D CPU tensor of `numel` elements of `dtype`, or
 // throws. Called once per distinct key.

@@ -18,6 +18,7 @@
 
 #include "compat/torch_compat.h"
 #include "io/atomic_commit.h"
+#include "state/torch_pickle.h"
 #include "state/torch_zip.h"
 #include "torchpoint/error.h"
 #include "torchpoint/interop.h"
@@ -30,45 +31,20 @@ constexpr char kProto = '\x80', kEmptyDict = '}', kMark = '(', kBinUnicode = 'X'
                kTuple = 't', kEmptyTuple = ')', kBinPersId = 'Q', kBinInt = 'J', kLong1 = '\x8a',
                kNewFalse = '\x89', kReduce = 'R', kSetItems = 'u', kStop = '.';
 
-struct StorageName {
-  c10::ScalarType type;
-  const char* typed;  // the typed storage class, for _rebuild_tensor_v2
-  const char* dtype;  // the dtype's Python name, for _rebuild_tensor_v3 (nullptr: not used)
-};
-const StorageName* storage_name(c10::ScalarType type) {
-  static const StorageName kNames[] = {
-      {c10::ScalarType::Float, "FloatStorage", nullptr},
-      {c10::ScalarType::Double, "DoubleStorage", nullptr},
-      {c10::ScalarType::Half, "HalfStorage", nullptr},
-      {c10::ScalarType::BFloat16, "BFloat16Storage", nullptr},
-      {c10::ScalarType::Long, "LongStorage", nullptr},
-      {c10::ScalarType::Int, "IntStorage", nullptr},
-      {c10::ScalarType::Short, "ShortStorage", nullptr},
-      {c10::ScalarType::Char, "CharStorage", nullptr},
-      {c10::ScalarType::Byte, "ByteStorage", nullptr},
-      {c10::ScalarType::Bool, "BoolStorage", nullptr},
-  };
-  for (const StorageName& n : kNames) {
-    if (n.type == type) return &n;
+// The typed storage class of `type` ("FloatStorage"), or empty for the newer dtypes.
+std::string_view typed_storage(c10::ScalarType type) {
+  for (const detail::StorageType& t : detail::kStorageTypes) {
+    if (t.dtype == type) return t.name;
   }
-  return nullptr;
+  return {};
 }
 
-// The Python name of a dtype written with _rebuild_tensor_v3, or nullptr.
-const char* v3_dtype_name(c10::ScalarType type) {
-  struct Named {
-    std::string_view safetensors;
-    const char* python;
-  };
-  static const Named kNames[] = {{"U16", "uint16"},
-                                 {"U32", "uint32"},
-                                 {"U64", "uint64"},
-                                 {"F8_E4M3", "float8_e4m3fn"},
-                                 {"F8_E5M2", "float8_e5m2"}};
-  for (const Named& n : kNames) {
-    if (compat::scalar_type_for(n.safetensors) == type) return n.python;
+// The Python name of a dtype written with _rebuild_tensor_v3, or empty.
+std::string_view v3_dtype_name(c10::ScalarType type) {
+  for (const compat::NewerDtype& d : compat::kNewerDtypes) {
+    if (compat::scalar_type_for(d.safetensors) == type) return d.python;
   }
-  return nullptr;
+  return {};
 }
 
 class Pickler {
@@ -247,9 +223,9 @@ std::string torch_state_dict_bytes(const std::vector<std::pair<std::string, at::
     // Its own storage of exactly its bytes: views of one buffer are written apart (as
     // safetensors does), so a file never holds more bytes than its tensors.
     at::Tensor t = value.detach().to(at::kCPU).contiguous();
-    const StorageName* typed = storage_name(t.scalar_type());
-    const char* v3 = typed ? nullptr : v3_dtype_name(t.scalar_type());
-    if (!typed && !v3) {
+    const std::string_view typed = typed_storage(t.scalar_type());
+    const std::string_view v3 = typed.empty() ? v3_dtype_name(t.scalar_type()) : "";
+    if (typed.empty() && v3.empty()) {
       throw Error(ErrorCode::Unsupported,
                   fmt::format("tensor '{}' has dtype {}, which torchpoint cannot write for "
                               "torch.load; convert it (e.g. .to(torch::kFloat))",
@@ -257,19 +233,19 @@ std::string torch_state_dict_bytes(const std::vector<std::pair<std::string, at::
     }
     const std::string key = std::to_string(storages.size());
     pickle.text(name);
-    pickle.global("torch._utils", v3 ? "_rebuild_tensor_v3" : "_rebuild_tensor_v2");
+    pickle.global("torch._utils", v3.empty() ? "_rebuild_tensor_v2" : "_rebuild_tensor_v3");
     pickle.op(kMark);
     {  // persistent id: ('storage', storage class, key, location, size)
       pickle.op(kMark);
       pickle.text("storage");
-      if (v3) {
+      if (!v3.empty()) {
         pickle.global("torch.storage", "UntypedStorage");
       } else {
-        pickle.global("torch", typed->typed);
+        pickle.global("torch", typed);
       }
       pickle.text(key);
       pickle.text("cpu");
-      pickle.integer(v3 ? t.numel() * t.element_size() : t.numel());
+      pickle.integer(v3.empty() ? t.numel() : t.numel() * t.element_size());
       pickle.op(kTuple);
       pickle.op(kBinPersId);
     }
@@ -280,7 +256,7 @@ std::string torch_state_dict_bytes(const std::vector<std::pair<std::string, at::
     pickle.global("collections", "OrderedDict");
     pickle.op(kEmptyTuple);
     pickle.op(kReduce);
-    if (v3) pickle.global("torch", v3);
+    if (!v3.empty()) pickle.global("torch", v3);
     pickle.op(kTuple);
     pickle.op(kReduce);
     storages.push_back(std::move(t));
