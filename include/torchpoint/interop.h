@@ -17,14 +17,17 @@ namespace torchpoint {
 // what `torch.save(model.state_dict(), path)` writes (an OrderedDict), or a plain dict of
 // names to tensors. Returns them in the file's order as a StateDict ready for
 // load_module_state_dict(), on the CPU whatever device they were saved from, with their dtypes
-// (float32/64, float16, bfloat16, int8/16/32/64, uint8, bool), sizes, strides and storage
-// offsets; tensors that shared a storage in Python share one here, as after torch.load. The
-// state dict's `_metadata` (per-module versions) is ignored.
+// (float32/64, float16, bfloat16, int8/16/32/64, uint8, bool; and uint16/32/64 and float8,
+// which torch 2.x writes with _rebuild_tensor_v3, where this LibTorch has them), sizes,
+// strides and storage offsets; tensors that shared a storage in Python share one here, as
+// after torch.load. The state dict's `_metadata` (per-module versions) is ignored.
 //
 // The file is read by torchpoint's own zip reader and pickle interpreter, which accept only
 // what a state dict needs (no Python object is ever constructed), and treat the bytes as
 // hostile: every record's CRC-32, every length and index, and every tensor's extent within its
-// storage are checked first.
+// storage are checked first. The archive is read from its directory at the end and record by
+// record, never whole into memory; only torchpoint::Error escapes (an allocation that fails
+// is Unsupported).
 //
 // Throws NotFound for a missing file; Corruption for a file that is not a torch.save zip or is
 // damaged (truncated, bad CRC, bad pickle, a tensor outside its storage), naming the file and
