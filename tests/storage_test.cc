@@ -4,9 +4,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
+#include <csignal>
 #include <cstdlib>
 #include <fstream>
+#include <thread>
 
 #include "compat/torch_compat.h"
 #include "format/checksum.h"
@@ -15,6 +18,7 @@
 #include "io/atomic_commit.h"
 #include "io/filename.h"
 #include "io/posix_error.h"
+#include "testing/fault_env.h"
 #include "testing/test_util.h"
 #include "torchpoint/checkpoint_dir.h"
 #include "torchpoint/error.h"
@@ -131,6 +135,145 @@ TEST(Container, LoadedTensorsAreWritableAndOutliveTheFile) {
   Env::posix().remove_file(dir / "w.safetensors");
   back.tensors[0].second.add_(1.0);
   EXPECT_TRUE(back.tensors[0].second.equal(t + 1.0));
+}
+
+// What a file goes through after a load never reaches the loaded tensors. Each case has its
+// control: the opt-in zero-copy load shows the very effect the default load must not have.
+Container big_container() {
+  // 12 MiB in three tensors, so the verifier's bounded reads take several pieces.
+  return {{{"a", at::arange(1 << 20, at::kFloat)},
+           {"b", at::arange(1 << 20, at::kDouble)},
+           {"c", at::arange(1 << 20, at::kFloat) * 2}},
+          {{"step", 1}}};
+}
+
+// Overwrites every data byte of `path` in place (same inode, same size), as `dd conv=notrunc`.
+void overwrite_data_in_place(const std::string& path) {
+  std::string bytes = testing::read_bytes(path);
+  std::uint64_t start = data_start_of(path);
+  std::fill(bytes.begin() + static_cast<std::ptrdiff_t>(start), bytes.end(), '\x7f');
+  std::ofstream out(path, std::ios::binary | std::ios::in | std::ios::out);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  ASSERT_TRUE(out.good());
+}
+
+TEST(ChangingFiles, TensorsLoadedNeverChangeWhenTheFileIsOverwrittenInPlace) {
+  TempDir dir;
+  const std::string path = dir / "w.safetensors";
+  Container saved = big_container();
+  save_file(path, saved);
+  Container copied = load_file(path);
+  Container mapped = load_file_mapped(path);
+  expect_same(saved, mapped);
+  overwrite_data_in_place(path);
+  expect_same(saved, copied);
+  // Control: the mapped tensors do see the new bytes, which is what the test would catch.
+  EXPECT_FALSE(bitwise_equal(mapped.tensors[0].second, saved.tensors[0].second));
+  EXPECT_FALSE(verify(path).ok());
+}
+
+// Touches every byte of `t` in a forked child; returns the child's wait status.
+int touch_in_child(const at::Tensor& t) {
+  const volatile std::uint8_t* p = static_cast<const std::uint8_t*>(t.data_ptr());
+  std::size_t n = t.nbytes();
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    std::uint8_t sum = 0;
+    for (std::size_t i = 0; i < n; i += 512) sum = static_cast<std::uint8_t>(sum + p[i]);
+    ::_exit(sum == 255 ? 3 : 0);  // any exit code but a signal means it read everything
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return status;
+}
+
+TEST(ChangingFiles, TensorsLoadedSurviveTheFileBeingTruncated) {
+  TempDir dir;
+  const std::string path = dir / "w.safetensors";
+  Container saved = big_container();
+  save_file(path, saved);
+  Container copied = load_file(path);
+  Container mapped = load_file_mapped(path);
+  testing::truncate_to(path, 100);  // as `cp smaller.safetensors w.safetensors` does
+  int status = touch_in_child(copied.tensors[1].second);
+  EXPECT_TRUE(WIFEXITED(status)) << "signal " << WTERMSIG(status);
+  expect_same(saved, copied);
+  // Control: past the new end of the file, the mapped tensor faults.
+  status = touch_in_child(mapped.tensors[1].second);
+  ASSERT_TRUE(WIFSIGNALED(status));
+  EXPECT_EQ(WTERMSIG(status), SIGBUS);
+}
+
+// A file truncated after its header was read but before its data was: both loads and verify
+// say so with a Corruption error naming the file; none is killed by SIGBUS.
+TEST(ChangingFiles, TruncationDuringALoadOrVerifyIsAnErrorNotASignal) {
+  TempDir dir;
+  const std::string path = dir / "w.safetensors";
+  save_file(path, big_container());
+  const std::string kept = testing::read_bytes(path);
+  auto truncate_after_header = [&](testing::FaultEnv& env) {
+    // The env copies its hook for every call: the count lives outside it.
+    auto reads = std::make_shared<int>(0);
+    env.set_before_op([&path, &kept, reads](testing::Op op, const std::string&) {
+      // The header takes two reads (its length, then the JSON); the third reads data.
+      if (op == testing::Op::Read && ++*reads == 3) testing::truncate_to(path, kept.size() / 2);
+    });
+  };
+  {
+    testing::FaultEnv env;
+    truncate_after_header(env);
+    expect_error([&] { load_file(path, env); }, ErrorCode::Corruption, {path, "truncated"});
+  }
+  testing::write_bytes(path, kept);
+  {
+    testing::FaultEnv env;
+    truncate_after_header(env);
+    expect_error([&] { load_file_mapped(path, env); }, ErrorCode::Corruption, {path, "truncated"});
+  }
+  testing::write_bytes(path, kept);
+  {
+    testing::FaultEnv env;
+    truncate_after_header(env);
+    VerifyReport report = verify(path, env);
+    ASSERT_FALSE(report.ok());
+    EXPECT_NE(report.problems[0].find("truncated"), std::string::npos) << report.problems[0];
+  }
+  testing::write_bytes(path, kept);
+  EXPECT_TRUE(verify(path).ok()) << "control: the restored file verifies";
+}
+
+// verify and load_file in a loop while another thread truncates and regrows the file (the
+// operator's `cp` over a checkpoint being checked): every result is a clean verdict, never a
+// signal, and never a wrong "ok" for bytes that were not the saved ones.
+TEST(ChangingFiles, VerifyAndLoadWhileTheFileIsTruncatedAndRegrown) {
+  TempDir dir;
+  const std::string path = dir / "w.safetensors";
+  Container saved = big_container();
+  save_file(path, saved);
+  const std::string kept = testing::read_bytes(path);
+  std::atomic<bool> stop{false};
+  std::thread churn([&] {
+    while (!stop.load()) {
+      testing::truncate_to(path, 4096);
+      std::ofstream out(path, std::ios::binary | std::ios::in | std::ios::out);
+      out.write(kept.data(), static_cast<std::streamsize>(kept.size()));
+    }
+  });
+  for (int i = 0; i < 40; ++i) {
+    VerifyReport report = verify(path);
+    if (!report.ok()) {
+      EXPECT_EQ(report.worst_code(), ErrorCode::Corruption) << report.problems[0];
+    }
+    try {
+      Container back = load_file(path);
+      expect_same(saved, back);  // whatever loads is exactly what was saved
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::Corruption) << e.what();
+    }
+  }
+  stop = true;
+  churn.join();
+  EXPECT_TRUE(verify(path).ok());
 }
 
 TEST(Container, SaveReplacesAtomicallyAndLeavesNoTemporary) {

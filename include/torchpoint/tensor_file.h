@@ -41,11 +41,23 @@ struct Container {
 //   torchpoint::save_file("weights.safetensors", {{{"w", torch::ones({2, 2})}}, {{"step", 7}}});
 void save_file(const std::string& path, const Container& contents, Env& env = Env::posix());
 
-// Reads, validates and checksums a whole container file. The returned tensors share one
-// copy-on-write mapping of the file (no copy is made); they stay valid after the file is
-// deleted. Throws NotFound, Corruption (naming the file and, for data, the tensor) or
-// Incompatible (a newer major format version). Nothing is returned unless every check passed.
+// Reads, validates and checksums a whole container file into this process's memory: each
+// tensor owns its bytes, so nothing done to the file afterwards (overwritten, truncated,
+// deleted) changes or faults a returned tensor. Throws NotFound, Corruption (naming the file
+// and, for data, the tensor; also when the file changes size while being read), Incompatible (a
+// newer major format version) or Unsupported (a tensor that does not fit in memory). Nothing is
+// returned unless every check passed.
 Container load_file(const std::string& path, Env& env = Env::posix());
+
+// As load_file(), but zero-copy: the returned tensors are copy-on-write views of one mapping of
+// the file (MAP_PRIVATE), which saves the memory and the copy of a large file. The checksums are
+// checked with ordinary reads before the mapping is made, so a file truncated during the load
+// is a Corruption error. The risk is afterwards, and it is the caller's: if another process
+// overwrites the file in place, the pages not yet written through a tensor may show the new
+// bytes; if it truncates the file, touching a tensor beyond the new end kills the process with
+// SIGBUS. Renaming or deleting the file is safe (torchpoint's own commits only rename). Use it
+// only for files nothing else writes to.
+Container load_file_mapped(const std::string& path, Env& env = Env::posix());
 
 // Reads single tensors of a container file without reading the others: the constructor reads
 // and validates the header only; read() reads one tensor's bytes and checks its checksum.

@@ -367,12 +367,54 @@ ContainerHeader read_container_header(File& file, const std::string& path, Probl
 
 namespace {
 
-// Verifies the data checksums of a mapped container; reports every mismatch.
-void check_data(const ContainerHeader& header, const MappedRegion& region, const std::string& path,
+// The size the header says the file has.
+std::uint64_t expected_size(const ContainerHeader& header) {
+  return header.data_start + (header.entries.empty() ? 0 : header.entries.back().end);
+}
+
+// Throws Corruption unless `file` still has the size its header promised: a committed file
+// never changes, so a difference means another process truncated or rewrote it.
+void check_size_unchanged(File& file, const ContainerHeader& header, const std::string& path,
+                          const char* while_what, Problems& problems) {
+  std::uint64_t now = file.size();
+  if (now != expected_size(header)) {
+    problems.add(
+        fmt::format("{} changed size while being {} ({} bytes, its header says {}): "
+                    "another process truncated or rewrote it; a committed checkpoint "
+                    "must never be modified in place",
+                    path, while_what, now, expected_size(header)));
+  }
+}
+
+// The checksum of `size` bytes of `file` at `offset`, read in bounded pieces through `buffer`.
+// Throws Corruption when the file ends first (it was truncated while being read).
+std::uint64_t checksum_range(File& file, std::uint64_t offset, std::uint64_t size,
+                             std::vector<std::uint8_t>& buffer) {
+  if (size <= buffer.size()) {
+    file.read_exact(buffer.data(), size, offset);
+    return xxh3(buffer.data(), size);
+  }
+  Xxh3Stream stream;
+  while (size > 0) {
+    std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(size, buffer.size()));
+    file.read_exact(buffer.data(), n, offset);
+    stream.update(buffer.data(), n);
+    offset += n;
+    size -= n;
+  }
+  return stream.digest();
+}
+
+// Reads every tensor's bytes with positioned reads (never through a mapping, so a file
+// truncated meanwhile is an error, not SIGBUS) and reports each checksum mismatch.
+void check_data(File& file, const ContainerHeader& header, const std::string& path,
                 Problems& problems) {
-  const std::uint8_t* data = region.data() + header.data_start;
+  constexpr std::size_t kBufferSize = std::size_t{4} << 20;
+  std::vector<std::uint8_t> buffer(
+      static_cast<std::size_t>(std::min<std::uint64_t>(kBufferSize, expected_size(header))));
   for (const TensorEntry& e : header.entries) {
-    std::uint64_t actual = xxh3(data + e.begin, e.end - e.begin);
+    std::uint64_t actual =
+        checksum_range(file, header.data_start + e.begin, e.end - e.begin, buffer);
     if (actual != e.checksum) {
       problems.add(
           fmt::format("{}: tensor '{}' fails its checksum (stored {}, computed {}): its "
@@ -380,6 +422,15 @@ void check_data(const ContainerHeader& header, const MappedRegion& region, const
                       path, e.name, checksum_hex(e.checksum), checksum_hex(actual)));
     }
   }
+}
+
+// Opens `path` and reads and validates its header; throws at the first problem.
+ContainerHeader open_container(Env& env, const std::string& path, bool allow_foreign,
+                               std::unique_ptr<File>* file) {
+  *file = env.open(path, OpenMode::Read);
+  Problems throwing;
+  ContainerHeader header = read_container_header(**file, path, throwing, allow_foreign);
+  return header;
 }
 
 }  // namespace
@@ -390,35 +441,82 @@ Container load_file(const std::string& path, Env& env) {
 
 Container load_container(Env& env, const std::string& path, std::uint64_t* header_checksum,
                          bool allow_foreign, bool* verified) {
-  std::unique_ptr<File> file = env.open(path, OpenMode::Read);
-  Problems throwing;
-  ContainerHeader header = read_container_header(*file, path, throwing, allow_foreign);
+  std::unique_ptr<File> file;
+  ContainerHeader header = open_container(env, path, allow_foreign, &file);
   if (verified != nullptr) *verified = !header.foreign;
   if (header_checksum != nullptr) *header_checksum = header.header_checksum;
-  std::shared_ptr<MappedRegion> region = file->map();
-  // The mapping is of the file as it is now; a size change since the header was read means a
-  // concurrent writer, which the commit protocol rules out for committed files.
-  if (region->size() !=
-      header.data_start + (header.entries.empty() ? 0 : header.entries.back().end)) {
-    throw Error(ErrorCode::Corruption, fmt::format("{} changed size while being read", path));
+
+  // Each tensor is read straight into memory of its own: nothing returned shares pages with
+  // the file, so nothing the file goes through afterwards can change or fault a tensor.
+  Problems throwing;
+  std::vector<at::Tensor> tensors(header.entries.size());
+  for (std::size_t i = 0; i < header.entries.size(); ++i) {
+    const TensorEntry& e = header.entries[i];
+    std::uint64_t size = e.end - e.begin;
+    at::Tensor t;
+    try {
+      t = at::empty(e.shape, at::TensorOptions().dtype(e.dtype.type));
+    } catch (const std::exception&) {  // c10::Error (out of memory) or std::bad_alloc
+      throw Error(ErrorCode::Unsupported,
+                  fmt::format("{}: tensor '{}' ({} bytes) does not fit in this process's memory: "
+                              "free memory, or read tensors one at a time with TensorFileReader",
+                              path, e.name, size));
+    }
+    file->read_exact(t.data_ptr(), size, header.data_start + e.begin);
+    if (!header.foreign) {
+      std::uint64_t actual = xxh3(t.data_ptr(), size);
+      if (actual != e.checksum) {
+        throwing.add(
+            fmt::format("{}: tensor '{}' fails its checksum (stored {}, computed {}): its "
+                        "data is corrupt",
+                        path, e.name, checksum_hex(e.checksum), checksum_hex(actual)));
+      }
+    }
+    tensors[i] = std::move(t);
   }
-  if (!header.foreign) check_data(header, *region, path, throwing);
+  check_size_unchanged(*file, header, path, "read", throwing);
+
+  Container out;
+  out.state = std::move(header.state);
+  out.tensors.reserve(header.entries.size());
+  for (std::size_t i : header.caller_order) {
+    out.tensors.emplace_back(header.entries[i].name, std::move(tensors[i]));
+  }
+  return out;
+}
+
+Container load_file_mapped(const std::string& path, Env& env) {
+  std::unique_ptr<File> file;
+  ContainerHeader header = open_container(env, path, /*allow_foreign=*/false, &file);
+  Problems throwing;
+  // Checked by positioned reads, before the mapping exists: a truncation during the load is a
+  // Corruption error here, never SIGBUS.
+  check_data(*file, header, path, throwing);
+  std::shared_ptr<MappedRegion> region = file->map();
+  if (region->size() != expected_size(header)) {
+    throwing.add(
+        fmt::format("{} changed size while being read ({} bytes, its header says {}): "
+                    "another process truncated or rewrote it",
+                    path, region->size(), expected_size(header)));
+  }
 
   Container out;
   out.state = std::move(header.state);
   out.tensors.reserve(header.entries.size());
   for (std::size_t i : header.caller_order) {
     const TensorEntry& e = header.entries[i];
-    auto* ptr = const_cast<std::uint8_t*>(region->data() + header.data_start + e.begin);
+    std::uint64_t offset = header.data_start + e.begin;
     auto options = at::TensorOptions().dtype(e.dtype.type);
     at::Tensor t;
-    if (reinterpret_cast<std::uintptr_t>(ptr) % e.dtype.size == 0) {
+    if (offset % e.dtype.size == 0) {
       // Zero copy: the tensor keeps the mapping alive.
+      auto* ptr = const_cast<std::uint8_t*>(region->data() + offset);
       t = at::from_blob(
           ptr, e.shape, [region](void*) {}, options);
     } else {
+      // Misaligned for its dtype: a copy, read from the file rather than the mapping.
       t = at::empty(e.shape, options);
-      std::memcpy(t.data_ptr(), ptr, e.end - e.begin);
+      file->read_exact(t.data_ptr(), e.end - e.begin, offset);
     }
     out.tensors.emplace_back(e.name, std::move(t));
   }
@@ -493,14 +591,8 @@ VerifyReport verify(const std::string& path, Env& env) {
     Problems collect(&report);
     ContainerHeader header = read_container_header(*file, path, collect);
     if (collect.any()) return report;
-    std::shared_ptr<MappedRegion> region = file->map();
-    std::uint64_t expected =
-        header.data_start + (header.entries.empty() ? 0 : header.entries.back().end);
-    if (region->size() != expected) {
-      collect.add(fmt::format("{} changed size while being verified", path));
-      return report;
-    }
-    check_data(header, *region, path, collect);
+    check_data(*file, header, path, collect);
+    check_size_unchanged(*file, header, path, "verified", collect);
   } catch (const Error& e) {
     report.add(e.what(), e.code());
   }
