@@ -20,7 +20,9 @@
 #include <string>
 #include <vector>
 
+#include "listing.h"
 #include "sha256.h"
+#include "testing/fault_env.h"
 #include "testing/test_util.h"
 #include "tests/learner_job.h"
 #include "torchpoint/checkpoint_dir.h"
@@ -420,6 +422,60 @@ TEST(CliLs, ListsFileCheckpoints) {
   EXPECT_EQ(j["checkpoints"][0]["step"], 9);  // counters.step, read from the header
   EXPECT_EQ(j["checkpoints"][1]["step"], 10);
   EXPECT_EQ(j["checkpoints"][0]["size_bytes"], testing::file_size(tmp / "epoch-9.ckpt"));
+}
+
+// A checkpoint that retention deletes while `ls` verifies it (renamed to a temporary name, then
+// removed, as save_state and `prune` do) is not listed as corrupt. The hook fires when the
+// lister opens the doomed checkpoint's files, i.e. in the middle of verifying it; the control
+// damages the file at that same moment instead, and that is listed as corrupt.
+TEST(CliLs, ACheckpointDeletedWhileBeingListedIsNotCalledCorrupt) {
+  enum class Action { RenameAway, Unlink, FlipABit };
+  for (bool directory : {true, false}) {
+    for (Action action : {Action::RenameAway, Action::Unlink, Action::FlipABit}) {
+      if (directory && action == Action::Unlink) continue;  // directories are renamed first
+      SCOPED_TRACE(fmt::format("directory {} action {}", directory, static_cast<int>(action)));
+      TempDir tmp;
+      const std::string doomed = directory ? tmp / "checkpoint_1" : tmp / "epoch-1.ckpt";
+      for (int n : {0, 1, 2}) {
+        if (directory) {
+          save_checkpoint(tmp / fmt::format("checkpoint_{}", n), n, 0);
+        } else {
+          save_file_checkpoint(tmp / fmt::format("epoch-{}.ckpt", n), n, 0);
+        }
+      }
+      const std::string data_file = directory ? doomed + "/model.safetensors" : doomed;
+      testing::FaultEnv env;
+      auto fired = std::make_shared<bool>(false);
+      env.set_before_op([&, fired](testing::Op op, const std::string& path) {
+        if (op != testing::Op::Open || path != data_file || *fired) return;
+        *fired = true;
+        if (action == Action::RenameAway) {
+          std::string temp = doomed + ".tmp-1-0123456789abcdef";
+          ASSERT_EQ(std::rename(doomed.c_str(), temp.c_str()), 0);
+          Env::posix().remove_all(temp);
+        } else if (action == Action::Unlink) {
+          ASSERT_EQ(std::remove(doomed.c_str()), 0);
+        } else {
+          corrupt(data_file);
+        }
+      });
+      tool::Listing listing = tool::list_checkpoints(tmp.path(), env);
+      ASSERT_TRUE(*fired) << "the hook never ran: the test proves nothing";
+      std::vector<std::string> names;
+      for (const tool::ListedCheckpoint& c : listing.entries) {
+        names.push_back(c.name);
+        if (action != Action::FlipABit) {
+          EXPECT_NE(c.status, tool::Status::Corrupt) << c.name << ": " << c.problems.at(0);
+        }
+      }
+      if (action == Action::FlipABit) {
+        ASSERT_EQ(listing.entries.size(), 3u);
+        EXPECT_EQ(listing.entries[1].status, tool::Status::Corrupt) << "control";
+      } else {
+        EXPECT_EQ(names.size(), 2u) << "the deleted checkpoint is not listed";
+      }
+    }
+  }
 }
 
 TEST(CliLs, ErrorsNameThePath) {

@@ -90,8 +90,7 @@ const char* status_name(Status status) {
   return "?";
 }
 
-Listing list_checkpoints(const std::string& dir) {
-  Env& env = Env::posix();
+Listing list_checkpoints(const std::string& dir, Env& env) {
   FileInfo info = env.stat(dir);
   if (!info.exists) throw Error(ErrorCode::NotFound, fmt::format("{} does not exist", dir));
   if (!info.is_directory) {
@@ -134,6 +133,9 @@ Listing list_checkpoints(const std::string& dir) {
       entry.status = temp ? Status::Uncommitted : Status::Valid;
       describe_file(env, entry);
     }
+    // Gone since it was listed: a checkpoint being deleted (renamed to a temporary name
+    // first) fails verification only because it is no longer there. Not corrupt, not listed.
+    if (!entry.problems.empty() && !env.stat(entry.path).exists) continue;
     listing.entries.push_back(std::move(entry));
   }
   std::sort(listing.entries.begin(), listing.entries.end(),

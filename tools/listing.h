@@ -43,11 +43,12 @@ struct Listing {
 // Finds the checkpoints in `dir`, or in `dir`/checkpoints when that exists (a project
 // directory): directories named checkpoint_<N> and other directories holding a manifest.json,
 // files ending in .ckpt or .safetensors, and temporaries of either. Other entries are ignored.
-// Every committed checkpoint is verified (all checksums). Ordered by number, numerically
-// (checkpoint_9 before checkpoint_10), entries without a number first by name; the latest is
-// the last valid one in that order. Throws NotFound for a missing `dir`, InvalidArgument when
-// `dir` is a file or itself a checkpoint.
-Listing list_checkpoints(const std::string& dir);
+// Every committed checkpoint is verified (all checksums). An entry that disappears while it is
+// being verified (retention or `prune` renaming it away) is left out, never called corrupt. Ordered
+// by number, numerically (checkpoint_9 before checkpoint_10), entries without a number first by
+// name; the latest is the last valid one in that order. Throws NotFound for a missing `dir`,
+// InvalidArgument when `dir` is a file or itself a checkpoint.
+Listing list_checkpoints(const std::string& dir, Env& env = Env::posix());
 
 // "metadata.metrics.<metric>" of a listed checkpoint, when it is a number.
 std::optional<double> manifest_metric(const ListedCheckpoint& entry, const std::string& metric);
