@@ -2,7 +2,7 @@
 // raw POSIX write/read of the same bytes, on the states of DESIGN.md's performance contract, and
 // prints medians and same-run ratios. It is a measurement, not a test: nothing is asserted.
 //
-//   torchpoint_bench [--reps N] [--states S1,S2,S3] [--dir PATH] [--hot] [--no-recycle]
+//   torchpoint_bench [--reps N] [--states S1,S2,S3,J] [--dir PATH] [--hot] [--no-recycle]
 //                    [--quick] [--json]
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -30,7 +30,9 @@
 #include <thread>
 #include <vector>
 
+#include "torchpoint/checkpoint_dir.h"
 #include "torchpoint/optimizer_state.h"
+#include "torchpoint/state_dict.h"
 #include "torchpoint/tensor_file.h"
 
 namespace {
@@ -67,7 +69,7 @@ struct Options {
   bool quick = false;
   bool hot = false;
   bool recycle = true;
-  std::vector<std::string> states = {"S1", "S2", "S3"};
+  std::vector<std::string> states = {"S1", "S2", "S3", "J"};
 };
 
 struct State {
@@ -741,13 +743,131 @@ void Bench::print_json(std::FILE* out) const {
   }
 }
 
+// ---- J: many JSON keys ----------------------------------------------------------------------
+//
+// The S3 of non-tensor state: a StateDict of N JSON values saved to one file and loaded back,
+// and a directory checkpoint whose manifest holds N metadata keys, for two N five times apart.
+// Linear code takes about 5x as long for 5x the keys; quadratic code about 25x. Raw is a write
+// and fsync, then a read, of as many bytes as the state file.
+
+struct KeysCase {
+  int keys = 0;
+  std::uint64_t state_bytes = 0;
+  std::array<std::vector<double>, 2> state_s;     // [save, load]
+  std::array<std::vector<double>, 2> manifest_s;  // [save, load]
+  std::array<std::vector<double>, 2> raw_s;       // [save, load]
+};
+
+KeysCase run_keys_case(int keys, int reps, const std::string& dir) {
+  KeysCase c;
+  c.keys = keys;
+  torchpoint::StateDict state;
+  torchpoint::Json metadata = torchpoint::Json::object();
+  for (int i = 0; i < keys; ++i) {
+    std::string key = fmt::format("metric.{:06d}", i);
+    state.set(key, torchpoint::Json(0.5 * i));
+    metadata[key] = 0.5 * i;  // untimed; ordered_json's operator[] is itself quadratic
+  }
+  torchpoint::CheckpointInfo info;
+  info.metadata = metadata;
+  const std::vector<torchpoint::Component> components = {
+      {"model", {{{"w", torch::ones({4})}}, {}}}};
+  for (int rep = 0; rep < reps; ++rep) {
+    const std::string file = dir + fmt::format("/keys-{}-{}.ckpt", keys, rep);
+    const std::string checkpoint = dir + fmt::format("/keys-{}-{}", keys, rep);
+    const std::string raw = dir + fmt::format("/keys-{}-{}.raw", keys, rep);
+    c.state_s[kSave].push_back(
+        time_seconds([&] { torchpoint::save_file(file, state.to_container()); }));
+    c.state_s[kLoad].push_back(time_seconds([&] {
+      torchpoint::StateDict back =
+          torchpoint::StateDict::from_container(torchpoint::load_file(file));
+      if (back.size() != state.size()) throw std::runtime_error("J: a state lost keys");
+    }));
+    c.manifest_s[kSave].push_back(
+        time_seconds([&] { torchpoint::save_directory(checkpoint, components, info); }));
+    c.manifest_s[kLoad].push_back(time_seconds([&] {
+      torchpoint::DirectoryCheckpoint back = torchpoint::load_directory(checkpoint);
+      if (back.info.metadata.size() != metadata.size()) {
+        throw std::runtime_error("J: a manifest lost keys");
+      }
+    }));
+    c.state_bytes = std::filesystem::file_size(file);
+    std::string bytes(c.state_bytes, 'x');
+    c.raw_s[kSave].push_back(time_seconds([&] {
+      int fd = open_or_throw(raw, O_WRONLY | O_CREAT | O_TRUNC);
+      write_all(fd, bytes.data(), bytes.size(), raw);
+      if (::fsync(fd) != 0) throw_errno("fsync " + raw);
+      close_or_throw(fd, raw);
+    }));
+    c.raw_s[kLoad].push_back(time_seconds([&] {
+      int fd = open_or_throw(raw, O_RDONLY);
+      read_all(fd, bytes.data(), bytes.size(), raw);
+      close_or_throw(fd, raw);
+    }));
+    std::filesystem::remove(file);
+    std::filesystem::remove(raw);
+    std::filesystem::remove_all(checkpoint);
+  }
+  return c;
+}
+
+void run_keys_bench(const Options& options, const std::string& dir, std::FILE* table,
+                    std::FILE* json) {
+  const std::array<int, 2> counts =
+      options.quick ? std::array<int, 2>{4000, 20000} : std::array<int, 2>{20000, 100000};
+  std::array<KeysCase, 2> cases;
+  for (int i = 0; i < 2; ++i) {
+    std::fprintf(stderr, "J: %d keys...\n", counts[i]);
+    cases[i] = run_keys_case(counts[i], options.reps, dir);
+  }
+  fmt::print(table,
+             "\nJ: JSON values (median of {} reps, hot page cache): a StateDict of N values in one "
+             "file, and a manifest of N metadata keys\n",
+             options.reps);
+  fmt::print(table, "{:>7} {:>9} | {:>9} {:>9} | {:>9} {:>9} | {:>9} {:>9}\n", "keys", "file MiB",
+             "state sv", "state ld", "manif sv", "manif ld", "raw sv", "raw ld");
+  for (const KeysCase& c : cases) {
+    fmt::print(table, "{:>7} {:>9} | {:>9.3f} {:>9.3f} | {:>9.3f} {:>9.3f} | {:>9.3f} {:>9.3f}\n",
+               c.keys, mib(static_cast<std::int64_t>(c.state_bytes)), median(c.state_s[kSave]),
+               median(c.state_s[kLoad]), median(c.manifest_s[kSave]), median(c.manifest_s[kLoad]),
+               median(c.raw_s[kSave]), median(c.raw_s[kLoad]));
+  }
+  auto growth = [&](const std::array<std::vector<double>, 2> KeysCase::*field, int op) {
+    return median((cases[1].*field)[op]) / median((cases[0].*field)[op]);
+  };
+  fmt::print(table,
+             "  time for {}x the keys (linear ~{}x, quadratic ~{}x): state save {:.1f}x, load "
+             "{:.1f}x; manifest save {:.1f}x, load {:.1f}x\n",
+             counts[1] / counts[0], counts[1] / counts[0],
+             (counts[1] / counts[0]) * (counts[1] / counts[0]), growth(&KeysCase::state_s, kSave),
+             growth(&KeysCase::state_s, kLoad), growth(&KeysCase::manifest_s, kSave),
+             growth(&KeysCase::manifest_s, kLoad));
+  if (json == nullptr) return;
+  for (const KeysCase& c : cases) {
+    for (int op : {kSave, kLoad}) {
+      nlohmann::ordered_json line = {
+          {"state", "J"},
+          {"op", kOpNames[op]},
+          {"keys", c.keys},
+          {"state_file_s", median(c.state_s[op])},
+          {"manifest_s", median(c.manifest_s[op])},
+          {"raw_s", median(c.raw_s[op])},
+          {"bytes", c.state_bytes},
+          {"reps", options.reps},
+      };
+      fmt::print(json, "{}\n", line.dump());
+    }
+  }
+}
+
 // ---- Command line ---------------------------------------------------------------------------
 
 constexpr const char* kUsage =
-    "usage: torchpoint_bench [--reps N] [--states S1,S2,S3] [--dir PATH] [--hot] [--no-recycle]\n"
+    "usage: torchpoint_bench [--reps N] [--states S1,S2,S3,J] [--dir PATH] [--hot] [--no-recycle]\n"
     "                        [--quick] [--json]\n"
     "  --reps N       timed repetitions per case (default 5); medians are reported\n"
-    "  --states LIST  subset of S1 (256 MiB tensor), S2 (model + Adam), S3 (20k small tensors)\n"
+    "  --states LIST  subset of S1 (256 MiB tensor), S2 (model + Adam), S3 (20k small tensors),\n"
+    "                 J (20k and 100k JSON values in a state file and in a manifest)\n"
     "  --dir PATH     scratch directory (default: a new directory under the temp dir, removed)\n"
     "  --hot          load from the page cache instead of cold (the default)\n"
     "  --no-recycle   skip writing+unlinking a same-size file before each op (VM idle effect)\n"
@@ -779,8 +899,8 @@ Options parse_options(int argc, char** argv) {
       for (std::size_t start = 0; start <= list.size();) {
         std::size_t comma = std::min(list.find(',', start), list.size());
         std::string name = list.substr(start, comma - start);
-        if (name != "S1" && name != "S2" && name != "S3") {
-          throw std::invalid_argument("unknown state '" + name + "' (use S1, S2, S3)");
+        if (name != "S1" && name != "S2" && name != "S3" && name != "J") {
+          throw std::invalid_argument("unknown state '" + name + "' (use S1, S2, S3, J)");
         }
         if (std::find(o.states.begin(), o.states.end(), name) == o.states.end()) {
           o.states.push_back(name);
@@ -819,15 +939,23 @@ int main(int argc, char** argv) {
     torch::manual_seed(0);
     std::vector<State> states;
     for (const std::string& name : options.states) {
+      if (name == "J") continue;  // built and run apart, after the tensor states
       std::fprintf(stderr, "building %s...\n", name.c_str());
       if (name == "S1") states.push_back(make_s1(options.quick));
       if (name == "S2") states.push_back(make_s2(options.quick));
       if (name == "S3") states.push_back(make_s3(options.quick));
     }
-    Bench bench(options, std::move(states));
-    bench.run();
-    bench.print_table(options.json ? stderr : stdout);
-    if (options.json) bench.print_json(stdout);
+    std::FILE* table = options.json ? stderr : stdout;
+    if (!states.empty()) {
+      Bench bench(options, std::move(states));
+      bench.run();
+      bench.print_table(table);
+      if (options.json) bench.print_json(stdout);
+    }
+    if (std::find(options.states.begin(), options.states.end(), "J") != options.states.end()) {
+      ScratchDir dir(options.dir);
+      run_keys_bench(options, dir.path(), table, options.json ? stdout : nullptr);
+    }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "torchpoint_bench: %s\n", e.what());
     return 1;

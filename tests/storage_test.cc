@@ -15,6 +15,7 @@
 #include "format/checksum.h"
 #include "format/container.h"
 #include "format/dtype.h"
+#include "format/ordered_json.h"
 #include "io/atomic_commit.h"
 #include "io/filename.h"
 #include "io/posix_error.h"
@@ -23,6 +24,7 @@
 #include "torchpoint/checkpoint_dir.h"
 #include "torchpoint/error.h"
 #include "torchpoint/interop.h"
+#include "torchpoint/state_dict.h"
 #include "torchpoint/tensor_file.h"
 
 namespace torchpoint {
@@ -274,6 +276,85 @@ TEST(ChangingFiles, VerifyAndLoadWhileTheFileIsTruncatedAndRegrown) {
   stop = true;
   churn.join();
   EXPECT_TRUE(verify(path).ok());
+}
+
+// parse_ordered_json gives exactly what ordered_json::parse gives (values, key order, duplicate
+// keys keeping their first position and last value), for small objects and for the large ones it
+// indexes, and throws the same exception types.
+TEST(OrderedJson, ParsesExactlyAsNlohmannDoes) {
+  std::vector<std::string> texts = {
+      "null",
+      "true",
+      "-3",
+      "18446744073709551615",
+      "1.5e300",
+      "\"\\u00e9\"",
+      "[]",
+      "{}",
+      R"({"b":1,"a":[1,{"z":null,"y":[[]]}],"c":{"k":"v"}})",
+      R"({"a":1,"b":2,"a":3})",            // duplicate: first position, last value
+      R"([{"x":{"x":{"x":1}}},{"x":2}])",  // the same key at several depths
+  };
+  // Objects past the indexing threshold, with duplicates early, late and repeated.
+  for (int n : {31, 32, 33, 200}) {
+    std::string big = "{";
+    for (int i = 0; i < n; ++i) big += fmt::format("\"k{}\":{},", i, i);
+    big += R"("k0":"again","k31":[1],"k0":"last","k199":{}})";
+    texts.push_back(big);
+    texts.push_back("[" + big + "," + big + "]");
+  }
+  for (const std::string& text : texts) {
+    SCOPED_TRACE(text.substr(0, 80));
+    Json want = Json::parse(text);
+    Json got = parse_ordered_json(text);
+    EXPECT_EQ(got, want);
+    EXPECT_EQ(got.dump(), want.dump()) << "same key order";
+  }
+  for (const char* bad : {"", "{", R"({"a":})", "[1,]", R"({"a" 1})", "1e99999", "nul"}) {
+    SCOPED_TRACE(bad);
+    std::size_t want_byte = 0;
+    try {
+      Json accepted = Json::parse(bad);
+      ADD_FAILURE() << "nlohmann accepted it: " << accepted.dump();
+    } catch (const Json::parse_error& e) {
+      want_byte = e.byte;
+    } catch (const Json::out_of_range&) {
+      want_byte = 0;
+    }
+    try {
+      Json accepted = parse_ordered_json(bad);
+      ADD_FAILURE() << "accepted: " << accepted.dump();
+    } catch (const Json::parse_error& e) {
+      EXPECT_EQ(e.byte, want_byte);
+    } catch (const Json::out_of_range&) {
+      EXPECT_EQ(want_byte, 0u);
+    }
+  }
+}
+
+// 100,000 JSON values in a state and 100,000 metadata keys in a manifest round-trip in order.
+// (How long they take is the benchmark's business: torchpoint_bench --states J.)
+TEST(OrderedJson, HundredThousandKeysRoundTripInOrder) {
+  TempDir dir;
+  constexpr int kKeys = 100'000;
+  StateDict state;
+  Json metadata = Json::object();
+  for (int i = 0; i < kKeys; ++i) {
+    // Descending, so that an order kept by sorting would be caught.
+    std::string key = fmt::format("key.{:06d}", kKeys - i);
+    state.set(key, Json(i));
+    append_new_key(metadata, key, Json(i));
+  }
+  save_file(dir / "state.ckpt", state.to_container());
+  StateDict back = StateDict::from_container(load_file(dir / "state.ckpt"));
+  ASSERT_EQ(back.keys(), state.keys());
+  EXPECT_EQ(back.value(state.keys()[kKeys - 1]), Json(kKeys - 1));
+
+  CheckpointInfo info;
+  info.metadata = metadata;
+  save_directory(dir / "checkpoint_0", {{"model", {{{"w", at::ones({2})}}, {}}}}, info);
+  DirectoryCheckpoint loaded = load_directory(dir / "checkpoint_0");
+  EXPECT_EQ(loaded.info.metadata.dump(), metadata.dump());
 }
 
 TEST(Container, SaveReplacesAtomicallyAndLeavesNoTemporary) {

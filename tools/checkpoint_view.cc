@@ -9,6 +9,7 @@
 #include "format/container.h"
 #include "format/dtype.h"
 #include "format/manifest.h"
+#include "format/ordered_json.h"
 #include "io/filename.h"
 #include "torchpoint/checkpoint_dir.h"
 #include "torchpoint/data_position.h"
@@ -47,13 +48,23 @@ Json file_metadata(const std::string& path) {
   if (n > kMaxHeaderSize) return Json::object();
   std::string header(n, '\0');
   if (!in.read(header.data(), static_cast<std::streamsize>(n))) return Json::object();
-  Json parsed = Json::parse(header, nullptr, /*allow_exceptions=*/false);
+  // parse_ordered_json: linear in the number of keys (tensors), where Json::parse is quadratic.
+  Json parsed;
+  try {
+    parsed = parse_ordered_json(header);
+  } catch (const nlohmann::json::exception&) {
+    return Json::object();
+  }
   auto metadata = parsed.is_object() ? parsed.find(std::string(kMetadataKey)) : parsed.end();
   if (metadata == parsed.end() || !metadata->is_object()) return Json::object();
   auto ours_text = metadata->find(std::string(kTorchpointKey));
   if (ours_text == metadata->end() || !ours_text->is_string()) return Json::object();
-  Json ours = Json::parse(ours_text->get<std::string>(), nullptr, /*allow_exceptions=*/false);
-  return ours.is_object() ? ours : Json::object();
+  try {
+    Json ours = parse_ordered_json(ours_text->get_ref<const std::string&>());
+    return ours.is_object() ? ours : Json::object();
+  } catch (const nlohmann::json::exception&) {
+    return Json::object();
+  }
 }
 
 std::string string_field(const Json& object, const char* key) {

@@ -15,6 +15,7 @@
 #include "format/checksum.h"
 #include "format/container.h"
 #include "format/json_depth.h"
+#include "format/ordered_json.h"
 #include "io/filename.h"
 #include "torchpoint/error.h"
 
@@ -131,7 +132,7 @@ void parse_torchpoint_metadata(const nlohmann::json& metadata, const std::string
   }
   ojson meta;
   try {
-    meta = ojson::parse(meta_text);
+    meta = parse_ordered_json(meta_text);
   } catch (const ojson::exception& e) {
     problems.add(fmt::format("{}: torchpoint metadata is not valid JSON ({})", path, e.what()));
     return;

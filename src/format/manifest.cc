@@ -8,6 +8,7 @@
 #include "compat/torch_compat.h"
 #include "format/checksum.h"
 #include "format/json_depth.h"
+#include "format/ordered_json.h"
 #include "io/filename.h"
 #include "torchpoint/error.h"
 
@@ -122,7 +123,7 @@ Manifest parse_manifest(std::string_view bytes, const std::string& path, Problem
   }
   ojson root;
   try {
-    root = ojson::parse(bytes);
+    root = parse_ordered_json(bytes);
   } catch (const ojson::parse_error& e) {
     // The position only: the parser's message quotes the file's bytes (see container_reader).
     problems.add(

@@ -3,8 +3,11 @@
 #include <ATen/ops/scalar_tensor.h>
 #include <fmt/format.h>
 
+#include <string_view>
+#include <unordered_map>
 #include <unordered_set>
 
+#include "format/ordered_json.h"
 #include "torchpoint/error.h"
 
 namespace torchpoint {
@@ -156,7 +159,7 @@ Container StateDict::to_container() const {
     if (std::holds_alternative<at::Tensor>(value)) {
       c.tensors.emplace_back(key, std::get<at::Tensor>(value));
     } else {
-      values[key] = std::get<Json>(value);
+      append_new_key(values, key, std::get<Json>(value));  // keys are unique here
     }
   }
   c.state = {{"values", std::move(values)}, {"order", std::move(order)}};
@@ -177,13 +180,17 @@ StateDict StateDict::from_container(const Container& c) {
     for (const auto& [k, v] : values.items()) out.set(k, v);
     return out;
   }
+  // Indexed once: ordered_json's find() walks every key, which for each of n keys is O(n^2).
+  std::unordered_map<std::string_view, const Json*> value_index;
+  value_index.reserve(values.size());
+  for (const auto& [k, v] : values.get_ref<const Json::object_t&>()) value_index.emplace(k, &v);
   for (const Json& k : *order_it) {
     if (!k.is_string()) continue;
-    std::string key = k.get<std::string>();
+    const std::string& key = k.get_ref<const std::string&>();
     if (auto t = tensors.find(key); t != tensors.end()) {
       out.set(key, *t->second);
-    } else if (auto v = values.find(key); v != values.end()) {
-      out.set(key, *v);
+    } else if (auto v = value_index.find(key); v != value_index.end()) {
+      out.set(key, *v->second);
     }
   }
   return out;
