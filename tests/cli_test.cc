@@ -896,6 +896,43 @@ TEST(CliExport, TorchLoadReadsEveryValue) {
   expect_python_loads(opt, optimizer_state(1), p.tmp / "expected_opt.json");
 }
 
+// Peak resident memory, in bytes, of one run of the CLI with `args` (its exit status must be 0),
+// measured by tests/python/peak_rss.py.
+std::int64_t peak_rss_of(const std::vector<std::string>& args) {
+  std::string command = testing::python() + " " +  // already a quoted shell word
+                        quote(source_dir() + "/tests/python/peak_rss.py") + " " +
+                        quote(TORCHPOINT_CLI);
+  for (const std::string& a : args) command += " " + quote(a);
+  static TempDir scratch;
+  Result run = run_command(command, scratch / "stderr");
+  EXPECT_EQ(run.status, 0) << args[0] << ": " << run.err;
+  return std::atoll(run.out.c_str());
+}
+
+// export streams the .pt file from the loaded tensors: beyond what the same process needs to
+// verify the checkpoint (LibTorch itself, bounded buffers), it holds one copy of the tensors,
+// never a second copy as the whole file in memory.
+TEST(CliExport, MemoryStaysNearTheCheckpointSize) {
+  TempDir tmp;
+  const std::string checkpoint = tmp / "checkpoint_0";
+  Container model;
+  for (int i = 0; i < 3; ++i) {
+    model.tensors.emplace_back(fmt::format("layer{}.weight", i), torch::randn({16 << 20}));
+  }
+  save_directory(checkpoint, {{"model", model}});
+  const std::int64_t file_bytes =
+      static_cast<std::int64_t>(testing::file_size(checkpoint + "/model.safetensors"));
+  const std::int64_t verify_peak = peak_rss_of({"verify", checkpoint});
+  const std::int64_t export_peak =
+      peak_rss_of({"export", checkpoint, tmp / "model.pt", "--component", "model"});
+  EXPECT_GT(testing::file_size(tmp / "model.pt"), 3u * (64u << 20)) << "every tensor exported";
+  const std::int64_t extra = export_peak - verify_peak;
+  RecordProperty("verify_peak_bytes", std::to_string(verify_peak));
+  RecordProperty("export_peak_bytes", std::to_string(export_peak));
+  EXPECT_LE(extra, file_bytes * 5 / 4)
+      << "export took " << extra << " bytes more than verify, for a checkpoint of " << file_bytes;
+}
+
 TEST(CliExport, Errors) {
   Project p;
   Result component = tp({"export", p.ckpt(1), p.tmp / "x.pt", "--component", "nope"});

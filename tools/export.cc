@@ -30,10 +30,10 @@ int run_export(const ExportOptions& options, std::ostream& out) {
   }
   // The zip-of-pickle format of Python's torch.save: torch.load returns a dict, with
   // weights_only=True (PyTorch 2.6's default) too.
-  std::string bytes = torch_state_dict_bytes(tensors);
-  write_file_atomically(options.output, bytes);
+  // Streamed from the loaded tensors to the file: memory stays near the checkpoint's size.
+  std::uint64_t size = save_torch_state_dict(options.output, tensors);
   out << fmt::format("wrote {} tensors of component '{}' ({} bytes) to {}\n", tensors.size(),
-                     options.component, bytes.size(), options.output);
+                     options.component, size, options.output);
   return kExitOk;
 }
 

@@ -3,6 +3,7 @@
 // And the other direction: save_torch_state_dict writes a file that torch.load reads.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
@@ -51,15 +52,17 @@ StateDict load_torch_state_dict(const std::string& path, Env& env = Env::posix()
 // the file), without requires_grad. The file is committed atomically: `path` holds the new
 // file whole or what it held before. Throws InvalidArgument for an undefined tensor,
 // Unsupported for a dtype torch.save cannot hold (complex, quantized...), IOError on a failed
-// write.
+// write. Returns the size of the file. The file is streamed: each storage goes from its tensor's
+// memory to the file, so the file is never whole in memory (a tensor that is not contiguous on
+// the CPU is copied first, as it must be).
 //
 // Example:
 //   torchpoint::save_torch_state_dict("model.pt", {{"fc.weight", fc->weight}});
 //   // Python: torch.load("model.pt")["fc.weight"]
-void save_torch_state_dict(const std::string& path,
-                           const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                           Env& env = Env::posix());
-// The bytes save_torch_state_dict writes.
+std::uint64_t save_torch_state_dict(const std::string& path,
+                                    const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                                    Env& env = Env::posix());
+// The bytes save_torch_state_dict writes, in memory.
 std::string torch_state_dict_bytes(const std::vector<std::pair<std::string, at::Tensor>>& tensors);
 
 // Any safetensors file. A torchpoint file is fully verified (as load_file does); a file from

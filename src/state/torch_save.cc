@@ -14,6 +14,7 @@
 
 #include <bit>
 #include <cstring>
+#include <functional>
 #include <limits>
 
 #include "compat/torch_compat.h"
@@ -92,12 +93,19 @@ class Pickler {
   std::string out_;
 };
 
+// Where the bytes of a file go, in order: a string, or a file (through a buffer, so the many
+// small headers do not each cost a system call, while large records go straight from the
+// tensor's memory to the file and the file is never whole in memory).
+using Sink = std::function<void(std::string_view)>;
+
 // A zip of stored (uncompressed) records, each record's data 64-byte aligned, with ZIP64
 // fields wherever a size or offset does not fit 32 bits and always a ZIP64 end record.
 class ZipWriter {
  public:
+  explicit ZipWriter(Sink sink) : sink_(std::move(sink)) {}
+
   void add(const std::string& name, std::string_view data) {
-    Entry e{name, out_.size(), data.size(), detail::crc32(data)};
+    Entry e{name, pos_, data.size(), detail::crc32(data)};
     const bool zip64 = e.offset >= kMax32 || e.size >= kMax32;
     // Local header: 30 bytes, the name, a ZIP64 field if needed, then padding to 64 bytes.
     std::size_t extra = zip64 ? 20 : 0;
@@ -125,12 +133,15 @@ class ZipWriter {
     u16(0x4246);  // "FB": PyTorch's padding field
     u16(pad);
     out_.append(pad, 'Z');
-    out_ += data;
+    flush();
+    sink_(data);
+    pos_ += data.size();
     entries_.push_back(std::move(e));
   }
 
-  std::string finish() {
-    const std::uint64_t directory_at = out_.size();
+  // Writes the directory and end records; returns the size of the whole file.
+  std::uint64_t finish() {
+    const std::uint64_t directory_at = pos_;
     for (const Entry& e : entries_) {
       const bool big_size = e.size >= kMax32, big_offset = e.offset >= kMax32;
       const std::uint16_t extra = (big_size ? 16 : 0) + (big_offset ? 8 : 0);
@@ -162,8 +173,8 @@ class ZipWriter {
         if (big_offset) u64(e.offset);
       }
     }
-    const std::uint64_t directory_size = out_.size() - directory_at;
-    const std::uint64_t end64_at = out_.size();
+    const std::uint64_t directory_size = pos_ + out_.size() - directory_at;
+    const std::uint64_t end64_at = pos_ + out_.size();
     u32(0x06064b50);  // ZIP64 end of central directory record
     u64(44);
     u16(45);
@@ -186,7 +197,8 @@ class ZipWriter {
     u32(std::min<std::uint64_t>(directory_size, kMax32));
     u32(std::min<std::uint64_t>(directory_at, kMax32));
     u16(0);
-    return std::move(out_);
+    flush();
+    return pos_;
   }
 
  private:
@@ -203,13 +215,21 @@ class ZipWriter {
   void u16(std::uint64_t v) { le(v, 2); }
   void u32(std::uint64_t v) { le(v, 4); }
   void u64(std::uint64_t v) { le(v, 8); }
-  std::string out_;
+  // Hands the headers built so far to the sink.
+  void flush() {
+    sink_(out_);
+    pos_ += out_.size();
+    out_.clear();
+  }
+  Sink sink_;
+  std::uint64_t pos_ = 0;  // bytes handed to the sink
+  std::string out_;        // headers not yet handed over
   std::vector<Entry> entries_;
 };
 
-}  // namespace
-
-std::string torch_state_dict_bytes(const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+// Writes the file of `tensors` to `sink`; returns its size.
+std::uint64_t write_torch_state_dict(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                                     const Sink& sink) {
   static_assert(std::endian::native == std::endian::little, "storages are written little-endian");
   Pickler pickle;
   pickle.op(kEmptyDict);
@@ -263,7 +283,7 @@ std::string torch_state_dict_bytes(const std::vector<std::pair<std::string, at::
   }
   pickle.op(kSetItems);
 
-  ZipWriter zip;
+  ZipWriter zip(sink);
   zip.add("archive/data.pkl", pickle.finish());
   zip.add("archive/byteorder", "little");
   for (std::size_t i = 0; i < storages.size(); ++i) {
@@ -276,10 +296,43 @@ std::string torch_state_dict_bytes(const std::vector<std::pair<std::string, at::
   return zip.finish();
 }
 
-void save_torch_state_dict(const std::string& path,
-                           const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                           Env& env) {
-  write_file_atomically(env, path, torch_state_dict_bytes(tensors));
+}  // namespace
+
+std::string torch_state_dict_bytes(const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+  std::string out;
+  write_torch_state_dict(tensors, [&out](std::string_view bytes) { out += bytes; });
+  return out;
+}
+
+std::uint64_t save_torch_state_dict(const std::string& path,
+                                    const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                                    Env& env) {
+  constexpr std::size_t kBufferSize = std::size_t{1} << 20;
+  PendingFile pending(env, path);
+  std::unique_ptr<File> file = env.open(pending.temp_path(), OpenMode::CreateExclusive);
+  std::uint64_t offset = 0;
+  std::string buffer;
+  buffer.reserve(kBufferSize);
+  auto drain = [&] {
+    file->write_all(buffer.data(), buffer.size(), offset);
+    offset += buffer.size();
+    buffer.clear();
+  };
+  std::uint64_t size = write_torch_state_dict(tensors, [&](std::string_view bytes) {
+    if (buffer.size() + bytes.size() <= kBufferSize) {
+      buffer += bytes;
+      return;
+    }
+    drain();
+    file->write_all(bytes.data(), bytes.size(), offset);  // a storage, from its own memory
+    offset += bytes.size();
+  });
+  drain();
+  // Durable before the rename publishes it.
+  file->sync();
+  file->close();
+  pending.commit();
+  return size;
 }
 
 }  // namespace torchpoint
