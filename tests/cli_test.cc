@@ -947,6 +947,25 @@ TEST(CliExport, Errors) {
   EXPECT_NE(no_dir.err.find(p.tmp / "no/such/dir"), std::string::npos) << no_dir.err;
 }
 
+// The top-level component of a file checkpoint (keys without a dot) is named "": the help and
+// the list of components in an error both say how to select it, and selecting it works.
+TEST(CliExport, TheTopLevelComponentIsSelectedWithAnEmptyName) {
+  TempDir tmp;
+  StateDict state;
+  state.set("scale", torch::full({3}, 2.0));
+  state.set_child("model", model_state(0));
+  save_file(tmp / "state.ckpt", state.to_container());
+  Result help = tp({"export", "--help"});
+  EXPECT_EQ(help.status, 0);
+  EXPECT_NE(help.out.find(R"(--component "")"), std::string::npos) << help.out;
+  Result wrong = tp({"export", tmp / "state.ckpt", tmp / "x.pt", "--component", "nope"});
+  EXPECT_EQ(wrong.status, 2);
+  EXPECT_NE(wrong.err.find(R"(top level: --component "")"), std::string::npos) << wrong.err;
+  Result top = tp({"export", tmp / "state.ckpt", tmp / "top.pt", "--component", ""});
+  EXPECT_EQ(top.status, 0) << top.err;
+  EXPECT_NE(top.out.find("wrote 1 tensors"), std::string::npos) << top.out;
+}
+
 // ---------------------------------------------------------------------------------------------
 // plot
 

@@ -15,6 +15,7 @@
 #include "format/checksum.h"
 #include "format/container.h"
 #include "format/dtype.h"
+#include "format/manifest.h"
 #include "format/ordered_json.h"
 #include "io/atomic_commit.h"
 #include "io/filename.h"
@@ -670,6 +671,35 @@ TEST(Directory, ReplacedFileIsDetectedThroughTheManifest) {
                        testing::read_bytes(dir / "b/model.safetensors"));
   expect_error([&] { load_directory(dir / "a"); }, ErrorCode::Corruption);
   EXPECT_FALSE(verify(dir / "a").ok());
+}
+
+// A checkpoint whose manifest is of a newer format version gets one problem, Incompatible, that
+// says to upgrade; its files are not called strays "not listed in the manifest".
+TEST(Directory, NewerFormatManifestIsOneIncompatibleProblem) {
+  TempDir dir;
+  const std::string checkpoint = dir / "checkpoint_0";
+  save_directory(checkpoint, {{"model", {{{"w", at::ones({2})}}, {}}},
+                              {"optimizer", {{{"m", at::zeros({2})}}, {}}}});
+  ASSERT_TRUE(verify(checkpoint).ok()) << "control";
+  const std::string manifest = checkpoint + "/manifest.json";
+  std::string bytes = testing::read_bytes(manifest);
+  const std::string version = "\"format_version\": \"1.";
+  std::size_t at = bytes.find(version);
+  ASSERT_NE(at, std::string::npos) << bytes;
+  bytes[at + version.size() - 2] = '9';
+  // Resealed as the writer seals: the checksum covers the text with 16 zeros in its place.
+  const std::string key = fmt::format("\"{}\": \"", kManifestChecksumKey);
+  std::size_t digits = bytes.rfind(key) + key.size();
+  bytes.replace(digits, 16, std::string(16, '0'));
+  bytes.replace(digits, 16, checksum_hex(xxh3(bytes.data(), bytes.size())));
+  testing::write_bytes(manifest, bytes);
+
+  VerifyReport report = verify(checkpoint);
+  ASSERT_EQ(report.problems.size(), 1u) << fmt::format("{}", fmt::join(report.problems, "\n"));
+  EXPECT_EQ(report.codes[0], ErrorCode::Incompatible);
+  EXPECT_NE(report.problems[0].find("upgrade torchpoint"), std::string::npos) << report.problems[0];
+  EXPECT_FALSE(report.proven_corrupt());
+  expect_error([&] { load_directory(checkpoint); }, ErrorCode::Incompatible, {"upgrade"});
 }
 
 TEST(Directory, InvalidComponentNamesAreRefused) {

@@ -226,7 +226,7 @@ std::string component_names(const CheckpointView& view) {
   std::string out;
   for (const ComponentView& c : view.components) {
     if (!out.empty()) out += ", ";
-    out += c.name.empty() ? "(top level)" : c.name;
+    out += c.name.empty() ? "(top level: --component \"\")" : c.name;
   }
   return out.empty() ? "(none)" : out;
 }

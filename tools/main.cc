@@ -136,7 +136,10 @@ int main(int argc, char** argv) {
   export_cmd->add_option("path", export_options.path, "A directory checkpoint or a checkpoint file")
       ->required();
   export_cmd->add_option("output", export_options.output, "The .pt file to write")->required();
-  export_cmd->add_option("--component", export_options.component, "The component to export")
+  export_cmd
+      ->add_option("--component", export_options.component,
+                   "The component to export; --component \"\" exports the top-level "
+                   "keys of a file checkpoint (those without a dot)")
       ->capture_default_str();
   export_cmd->footer(
       wrap(std::string(kComponentRule) + " Only tensors are exported (JSON values are not)."));

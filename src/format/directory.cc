@@ -190,6 +190,12 @@ VerifyReport verify_directory(const std::string& path, Env& env) {
     report.add(e.what(), e.code());
     return report;
   }
+  // A manifest of a newer format (or one that could not be read) says nothing this build can
+  // check the files against: its problem is the whole verdict.
+  if (!report.ok() && report.worst_code() != ErrorCode::Corruption) return report;
+  // A damaged manifest's file list is not to be trusted either way: files it seems not to list
+  // are not reported as strays.
+  const bool manifest_damaged = !report.ok();
   std::unordered_set<std::string> listed;
   for (const ManifestFile& f : manifest.files) {
     listed.insert(f.name);
@@ -238,6 +244,7 @@ VerifyReport verify_directory(const std::string& path, Env& env) {
       }
     }
   }
+  if (manifest_damaged) return report;
   try {
     for (const std::string& name : env.list_dir(path)) {
       if (parse_component_file_name(name) && !listed.count(name)) {
