@@ -776,6 +776,42 @@ TEST_P(GoldenLearner, CheckpointRestoresExactlyAndTrainsOn) {
 INSTANTIATE_TEST_SUITE_P(WrittenByEachLibTorch, GoldenLearner,
                          ::testing::Values("golden_v1", "golden_libtorch2"));
 
+// In a directory search, only a checkpoint proven corrupt is passed over (the test above). One
+// that cannot be read or judged (a FIFO, a newer learner version) stops the search with
+// an error naming it: resuming from the one before would quietly lose its epochs.
+TEST(Learner, ResumeFromDirectoryStopsAtANewestCheckpointItCannotJudge) {
+  auto data = testing::seed_data();
+  TempDir dir;
+  const std::string ckpts = dir / "numbered";
+  testing::linear_learner()->fit(
+      {data.x, data.y},
+      quiet(3).callbacks(
+          {callbacks::model_checkpoint(ckpts + "/epoch-{epoch}.ckpt").monitor("train_loss")}));
+  const std::string newest = ckpts + "/epoch-3.ckpt";
+  const std::string kept = testing::read_bytes(newest);
+  StateDict future;
+  future.set("learner.format", "torchpoint.learner");
+  future.set("learner.version", 2);
+  auto resume = [&] {
+    testing::linear_learner(5)->fit({data.x, data.y},
+                                    quiet(1).callbacks({callbacks::resume_from_checkpoint(ckpts)}));
+  };
+  for (const char* kind : {"fifo", "newer"}) {
+    SCOPED_TRACE(kind);
+    ASSERT_EQ(::unlink(newest.c_str()), 0);
+    if (std::string(kind) == "fifo") {
+      ASSERT_EQ(::mkfifo(newest.c_str(), 0644), 0);
+      expect_error(resume, ErrorCode::InvalidArgument, {newest, "FIFO"});
+    } else {
+      save_file(newest, future.to_container());
+      expect_error(resume, ErrorCode::Incompatible, {newest, "upgrade"});
+    }
+    ASSERT_EQ(::unlink(newest.c_str()), 0);
+    testing::write_bytes(newest, kept);
+  }
+  resume();  // control: with the file restored, the same search resumes
+}
+
 TEST(Learner, ALearnerCheckpointOfANewerVersionIsRefusedNamingBoth) {
   TempDir dir;
   StateDict state;

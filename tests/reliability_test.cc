@@ -6,6 +6,9 @@
 //   R9/R15  retention (total_limit 1-3) under a full disk and under kills during the save and
 //           during the deletion of old checkpoints, with numbers crossing 9→10 and 99999→100000.
 // Every failure names its seed, call index or byte offset so it can be replayed alone.
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -17,7 +20,10 @@
 #include <optional>
 #include <random>
 
+#include "format/checksum.h"
+#include "format/manifest.h"
 #include "io/filename.h"
+#include "io/posix_error.h"
 #include "testing/fault_env.h"
 #include "testing/test_util.h"
 #include "torchpoint/accelerator.h"
@@ -736,6 +742,158 @@ TEST(Retention, ChecksCatchDeletingBeforeTheNewCheckpointIsCommitted) {
     Project p(automatic(project).iteration(base), &env);
     EXPECT_THROW(p.save(), Error);
     EXPECT_NE(retention_violations(project, n, base), std::vector<std::string>{});
+  }
+}
+
+}  // namespace
+}  // namespace torchpoint
+
+// ---------------------------------------------------------------------------------------------
+// Hostile files (#12): a newest checkpoint that cannot be read, or that this build cannot judge,
+// is never passed over quietly and never deleted by retention; only one its own checksums prove
+// corrupt is (the control, which shows the sweep tells the two apart).
+
+namespace torchpoint {
+namespace {
+
+enum class Hostile {
+  Fifo,              // a FIFO where a file belongs (before: every reader blocked in open)
+  Socket,            // a Unix socket there
+  Directory,         // a directory there
+  LinkToCopy,        // a symbolic link to an intact copy outside the checkpoint
+  LinkOutside,       // a symbolic link to some other file
+  PermissionDenied,  // EACCES on open (this suite runs as root, where chmod denies nothing)
+  ReadError,         // EIO on read, as a failing disk gives
+  NewerVersion,      // a manifest of format version 9 (resealed): from a newer torchpoint
+  BitFlip,           // control: a flipped bit, proven corrupt by its checksum
+};
+
+const char* hostile_name(Hostile h) {
+  constexpr const char* kNames[] = {"fifo",         "socket",        "directory",
+                                    "link-to-copy", "link-outside",  "permission-denied",
+                                    "read-error",   "newer-version", "bit-flip (control)"};
+  return kNames[static_cast<int>(h)];
+}
+
+void make_socket(const std::string& path) {
+  int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  ASSERT_LT(path.size(), sizeof addr.sun_path) << path;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0) << path;
+  ::close(fd);  // the socket file stays
+}
+
+void make_newer_version(const std::string& manifest) {
+  std::string bytes = testing::read_bytes(manifest);
+  const std::string version = "\"format_version\": \"1.";
+  std::size_t at = bytes.find(version);
+  ASSERT_NE(at, std::string::npos);
+  bytes[at + version.size() - 2] = '9';
+  const std::string key = fmt::format("\"{}\": \"", kManifestChecksumKey);
+  std::size_t digits = bytes.rfind(key) + key.size();
+  bytes.replace(digits, 16, std::string(16, '0'));
+  bytes.replace(digits, 16, checksum_hex(xxh3(bytes.data(), bytes.size())));
+  testing::write_bytes(manifest, bytes);
+}
+
+// Makes `file` hostile; an Env-level kind installs its fault in `env` instead.
+void make_hostile(Hostile h, const std::string& file, const std::string& outside, FaultEnv& env) {
+  const std::string pristine = testing::read_bytes(file);
+  switch (h) {
+    case Hostile::Fifo:
+      ASSERT_EQ(::unlink(file.c_str()), 0);
+      ASSERT_EQ(::mkfifo(file.c_str(), 0644), 0);
+      return;
+    case Hostile::Socket:
+      ASSERT_EQ(::unlink(file.c_str()), 0);
+      make_socket(file);
+      return;
+    case Hostile::Directory:
+      ASSERT_EQ(::unlink(file.c_str()), 0);
+      ASSERT_EQ(::mkdir(file.c_str(), 0755), 0);
+      return;
+    case Hostile::LinkToCopy:
+    case Hostile::LinkOutside:
+      testing::write_bytes(outside, h == Hostile::LinkToCopy ? pristine : "private bytes");
+      ASSERT_EQ(::unlink(file.c_str()), 0);
+      ASSERT_EQ(::symlink(outside.c_str(), file.c_str()), 0);
+      return;
+    case Hostile::PermissionDenied:
+    case Hostile::ReadError: {
+      const Op op = h == Hostile::ReadError ? Op::Read : Op::Open;
+      const int err = h == Hostile::ReadError ? EIO : EACCES;
+      env.set_before_op([file, op, err](Op o, const std::string& path) {
+        if (o == op && path == file)
+          throw posix_error(fmt::format("{} of {}", op_name(o), path), err);
+      });
+      return;
+    }
+    case Hostile::NewerVersion:
+      make_newer_version(file);
+      return;
+    case Hostile::BitFlip:
+      testing::flip_bit(file, testing::file_size(file) - 20, 3);
+      return;
+  }
+}
+
+TEST(HostileFiles, TheNewestCheckpointIsNeverPassedOverOrDeletedUnlessProvenCorrupt) {
+  const std::vector<Hostile> kinds = {
+      Hostile::Fifo,       Hostile::Socket,       Hostile::Directory,
+      Hostile::LinkToCopy, Hostile::LinkOutside,  Hostile::PermissionDenied,
+      Hostile::ReadError,  Hostile::NewerVersion, Hostile::BitFlip};
+  for (const char* role : {"manifest.json", "model.safetensors"}) {
+    for (Hostile h : kinds) {
+      if (h == Hostile::NewerVersion && std::string(role) != "manifest.json") continue;
+      SCOPED_TRACE(fmt::format("{} is {}", role, hostile_name(h)));
+      TempDir dir;
+      const std::string project = dir / "proj";
+      const std::string newest = project + "/checkpoints/checkpoint_2";
+      {
+        Project p(automatic(project).total_limit(3));
+        for (int i = 0; i < 3; ++i) p.save();  // checkpoint_0 .. checkpoint_2
+      }
+      FaultEnv env;
+      make_hostile(h, newest + "/" + role, dir / "outside", env);
+      const bool proven_corrupt = h == Hostile::BitFlip;
+      ::alarm(60);  // a reader that blocks (on a FIFO) kills the suite instead of hanging it
+
+      // 1. load_state() of the latest: an error naming the newest checkpoint, nothing loaded;
+      //    the control falls back to checkpoint_1.
+      {
+        Project fresh(automatic(project).total_limit(2), &env);
+        StderrCapture capture;
+        if (proven_corrupt) {
+          EXPECT_EQ(fresh.acc.load_state().path, project + "/checkpoints/checkpoint_1");
+          EXPECT_TRUE(fresh.has_mark(1));
+        } else {
+          try {
+            fresh.acc.load_state();
+            ADD_FAILURE() << "load_state passed over " << newest;
+          } catch (const Error& e) {
+            EXPECT_NE(std::string(e.what()).find(newest), std::string::npos) << e.what();
+            EXPECT_EQ(std::string(e.what()).find("private bytes"), std::string::npos) << e.what();
+          }
+          EXPECT_FALSE(fresh.has_mark(1) || fresh.has_mark(2)) << "a failed load loads nothing";
+        }
+      }
+      // 2. Resumed explicitly from checkpoint_1, a save with total_limit 2 deletes
+      //    checkpoint_0 and keeps checkpoint_2, which holds progress this run lacks; the control
+      //    deletes it too.
+      {
+        Project older(automatic(project).total_limit(2), &env);
+        older.acc.load_state(project + "/checkpoints/checkpoint_1");
+        EXPECT_EQ(older.save(), project + "/checkpoints/checkpoint_3");
+        std::vector<std::string> expected = {".lock", "checkpoint_1", "checkpoint_2",
+                                             "checkpoint_3"};
+        if (proven_corrupt) expected = {".lock", "checkpoint_1", "checkpoint_3"};
+        EXPECT_EQ(testing::list_sorted(project + "/checkpoints"), expected);
+      }
+      ::alarm(0);
+    }
   }
 }
 
