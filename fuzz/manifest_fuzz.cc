@@ -15,7 +15,9 @@
 #include <vector>
 
 #include "checksum_fixup.h"
+#include "format/json_depth.h"
 #include "format/manifest.h"
+#include "format/ordered_json.h"
 #include "memory_env.h"
 #include "torchpoint/checkpoint_dir.h"
 #include "torchpoint/error.h"
@@ -53,6 +55,26 @@ const std::string& optimizer_file() {
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   std::string_view input(reinterpret_cast<const char*>(data), size);
+  // Differential: the linear-time parser agrees with nlohmann's own on every input, in value,
+  // key order and whether it throws.
+  if (tp::json_depth_within(input)) {
+    std::string theirs, ours;
+    try {
+      theirs = tp::Json::parse(input).dump();
+    } catch (const tp::Json::exception& e) {
+      theirs = "error " + std::to_string(e.id);
+    }
+    try {
+      ours = tp::parse_ordered_json(input).dump();
+    } catch (const tp::Json::exception& e) {
+      ours = "error " + std::to_string(e.id);
+    }
+    if (theirs != ours) {
+      std::fprintf(stderr, "parse_ordered_json differs from ordered_json::parse:\n%s\n%s\n",
+                   theirs.c_str(), ours.c_str());
+      std::abort();
+    }
+  }
   {
     std::vector<std::string> problems;
     tp::Problems collect(&problems);
