@@ -124,8 +124,15 @@ class Accelerator {
   // checkpoint_<n + 1>, or after the newest existing checkpoint when the one loaded was older.
   LoadStateReport load_state(const std::string& input_dir = "");
 
-  // The next iteration of `loader` starts `num_batches` batches into the current epoch without
-  // reading the skipped samples; later iterations are whole epochs. Returns `loader`.
+  // The next iteration of `loader` starts `num_batches` batches into the epoch it iterates
+  // (after load_state(), the epoch the checkpoint was in, or the next one when that one had no
+  // batch left), without reading the skipped samples; later iterations are whole epochs.
+  // Returns `loader`. Both of Accelerate's resume patterns give the uninterrupted run's batches:
+  //   step_N:  starting_epoch = N / batches_per_epoch; skip_first_batches(loader,
+  //            N % batches_per_epoch) in that first epoch, also when that is 0;
+  //   epoch_N (saved after the epoch's loop): starting_epoch = N + 1, nothing skipped.
+  // load_state() alone already restores the position: skipping the batches it restored to is
+  // a no-op. See ResumableSampler for the model.
   template <typename Dataset>
   std::shared_ptr<ResumableDataLoader<Dataset>> skip_first_batches(
       std::shared_ptr<ResumableDataLoader<Dataset>> loader, std::size_t num_batches) {

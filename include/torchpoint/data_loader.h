@@ -40,10 +40,11 @@ class ResumableDataLoader {
     std::size_t n = sampler_.size(), b = batch_size();
     return loader_->options().drop_last ? n / b : (n + b - 1) / b;
   }
-  // The next iteration starts `batches` batches into the current epoch, without reading the
-  // skipped samples; the one after it is a whole epoch again.
+  // The next iteration starts `batches` batches into the epoch it iterates (see
+  // ResumableSampler::skip_first_batches), without reading the skipped samples; the one after
+  // it is a whole epoch again.
   void skip_first_batches(std::size_t batches) {
-    sampler_.skip_first_batches(batches, batch_size());
+    sampler_.skip_first_batches(batches, batch_size(), loader_->options().drop_last);
   }
 
  private:

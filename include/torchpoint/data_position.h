@@ -27,6 +27,7 @@ struct SamplerCursor {
   std::size_t issued = 0;    // samples handed to the loader (runs ahead with worker prefetch)
   bool started = false;
   bool resume_pending = false;  // the next reset() continues the epoch at `consumed`
+  bool finished = false;        // the loop over `epoch` reached its end (see Tracked)
   std::int64_t order_epoch = -1;
   std::vector<std::size_t> order;
 };
@@ -35,10 +36,21 @@ struct SamplerCursor {
 // A sampler for LibTorch's DataLoader that can stop and resume mid-epoch.
 //
 // Each DataLoader::begin() (each `for (auto& batch : *loader)`) starts the next epoch, whose
-// order is a pure function of (seed, epoch) — it draws nothing from torch's global RNG. After
-// load_state_dict() or skip_first_batches(), the next begin() instead continues the saved epoch
-// where it stopped, whatever the loader's reset() does. The saved position counts the batches
-// the training loop received (see track()), not what worker threads prefetched.
+// order is a pure function of (seed, epoch) — it draws nothing from torch's global RNG. The
+// saved position is what the training loop received (see track()), not what worker threads
+// prefetched, and whether the loop over that epoch reached its end.
+//
+// What the next begin() iterates after load_state_dict():
+//   - the saved epoch's loop had reached its end (a checkpoint saved after the epoch's loop,
+//     Accelerate's "epoch_N" pattern): the next epoch, whole;
+//   - otherwise (saved inside the loop): the rest of the saved epoch. When that rest is empty
+//     (saved in the body of the epoch's last batch) the loop runs once with no batch, so a loop
+//     that keeps its own epoch counter in the checkpoint does that epoch's end-of-epoch work.
+// skip_first_batches(n) then positions that same next begin() at batch n of the epoch it
+// iterates, or, when that is an epoch with no batch left, of the next epoch: Accelerate's
+// "step_N" pattern (starting_epoch = step / batches_per_epoch, skip step % batches_per_epoch
+// batches) gives the batches the uninterrupted run saw, including after a checkpoint taken at
+// the last batch of an epoch (skip 0 then starts the next epoch).
 //
 // Example:
 //   torchpoint::ResumableSampler sampler(dataset.size().value(), /*shuffle=*/true, /*seed=*/7);
@@ -63,16 +75,23 @@ class ResumableSampler : public torch::data::samplers::Sampler<> {
   void set_epoch(std::int64_t epoch);
   // The training loop received `samples` more samples (track() calls this for you).
   void consume(std::size_t samples);
-  // Makes the next begin() continue the current epoch after its first `batches` batches of
-  // `batch_size`, without reading the skipped samples. Absolute, not relative.
-  void skip_first_batches(std::size_t batches, std::size_t batch_size);
+  // Makes the next begin() start after the first `batches` batches of `batch_size` of the epoch
+  // it would iterate (or of the next one, when that one has no batch left: with `drop_last`, a
+  // partial batch does not count), without reading the skipped samples. Absolute, not
+  // relative: after load_state_dict() at batch k of an epoch, skipping k batches changes
+  // nothing.
+  void skip_first_batches(std::size_t batches, std::size_t batch_size, bool drop_last = false);
+  // The loop over the current epoch reached its end (track() calls this for you).
+  void finish_epoch() { cursor_->finished = true; }
+  // True when every batch of the current epoch was consumed but its loop had not ended: what a
+  // checkpoint saved in the body of an epoch's last batch restores.
+  bool consumed_but_unfinished() const;
   // The sample indices of `epoch`, in order.
   std::vector<std::size_t> order_of(std::int64_t epoch) const;
 
-  // seed, size, shuffle, epoch and consumed samples. Loading checks size, shuffle and seed
-  // (Incompatible otherwise) and makes the next begin() resume the saved epoch, even when it
-  // has no batch left (a run interrupted after the last batch of an epoch, before its
-  // end-of-epoch work, then finishes that epoch); the begin() after that starts the next.
+  // seed, size, shuffle, epoch, consumed samples and whether the epoch's loop ended. Loading
+  // checks size, shuffle and seed (Incompatible otherwise); what the next begin() iterates is
+  // described above the class.
   StateDict state_dict() const;
   void load_state_dict(const StateDict& state);
 
@@ -114,8 +133,13 @@ class ResumableSampler::Tracked {
       counted_ = false;
       return *this;
     }
-    bool operator!=(const iterator& other) const { return it_ != other.it_; }
-    bool operator==(const iterator& other) const { return it_ == other.it_; }
+    // Reaching the end marks the epoch's loop as finished (range-for compares with end()).
+    bool operator!=(const iterator& other) const { return !(*this == other); }
+    bool operator==(const iterator& other) const {
+      bool at_end = it_ == other.it_;
+      if (at_end && sampler_ != nullptr) sampler_->finish_epoch();
+      return at_end;
+    }
 
    private:
     inner it_;

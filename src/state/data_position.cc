@@ -74,6 +74,7 @@ void ResumableSampler::reset(c10::optional<std::size_t> new_size) {
     c.size = *new_size;
     c.order_epoch = -1;
   }
+  c.finished = false;
   if (c.resume_pending) {
     // Continue the restored (or skipped-into) epoch instead of starting a new one: DataLoader's
     // begin() calls reset(), which must not wipe a position that was just loaded.
@@ -105,16 +106,32 @@ void ResumableSampler::set_epoch(std::int64_t epoch) {
   cursor_->consumed = 0;
   cursor_->started = true;
   cursor_->resume_pending = true;
+  cursor_->finished = false;
 }
 
 void ResumableSampler::consume(std::size_t samples) {
   cursor_->consumed = std::min(cursor_->size, cursor_->consumed + samples);
 }
 
-void ResumableSampler::skip_first_batches(std::size_t batches, std::size_t batch_size) {
-  cursor_->consumed = std::min(cursor_->size, batches * batch_size);
-  cursor_->started = true;
-  cursor_->resume_pending = true;
+void ResumableSampler::skip_first_batches(std::size_t batches, std::size_t batch_size,
+                                          bool drop_last) {
+  detail::SamplerCursor& c = *cursor_;
+  if (c.started) {
+    // The epoch the next begin() iterates: the pending one while it has a batch left, else the
+    // one after it.
+    std::size_t left = c.size - std::min(c.size, c.consumed);
+    bool batch_left = drop_last ? left >= std::max<std::size_t>(batch_size, 1) : left > 0;
+    if (!(c.resume_pending && batch_left)) ++c.epoch;
+  }
+  c.consumed = std::min(c.size, batches * batch_size);
+  c.started = true;
+  c.resume_pending = true;
+  c.finished = false;
+}
+
+bool ResumableSampler::consumed_but_unfinished() const {
+  const detail::SamplerCursor& c = *cursor_;
+  return c.started && !c.finished && c.consumed >= c.size;
 }
 
 StateDict ResumableSampler::state_dict() const {
@@ -127,6 +144,7 @@ StateDict ResumableSampler::state_dict() const {
   sd.set("epoch", cursor_->epoch);
   sd.set("samples_consumed", static_cast<std::uint64_t>(cursor_->consumed));
   sd.set("started", cursor_->started);
+  sd.set("epoch_finished", cursor_->finished);
   return sd;
 }
 
@@ -149,9 +167,12 @@ void ResumableSampler::load_state_dict(const StateDict& state) {
   cursor_->epoch = state.get<std::int64_t>("epoch");
   cursor_->consumed = consumed;
   cursor_->started = state.get<bool>("started");
-  // The next begin() continues the saved epoch, even one with nothing left: the loop that was
-  // interrupted after its last batch still has its end-of-epoch work to do.
-  cursor_->resume_pending = cursor_->started;
+  // Absent from files of torchpoint 0.1.0 and earlier, which resumed every saved epoch.
+  cursor_->finished = state.contains("epoch_finished") && state.get<bool>("epoch_finished");
+  // An epoch whose loop ended is done: the next begin() starts the next one. Otherwise the
+  // next begin() continues the saved epoch, even one with no batch left: the loop that was
+  // interrupted in its last batch still has its end-of-epoch work to do.
+  cursor_->resume_pending = cursor_->started && !cursor_->finished;
   cursor_->order_epoch = -1;
 }
 

@@ -1,0 +1,155 @@
+// Accelerate users' own loops, written as Accelerate's guide and examples write them in Python,
+// each interrupted at every checkpoint and resumed: the resumed run must see exactly the
+// batches, and end with exactly the weights, of the run that was never interrupted.
+//
+// The two resume patterns of Accelerate's examples (examples/complete_nlp_example.py):
+//   step_N:  starting_epoch = N / len(loader), resume_step = N % len(loader); the first epoch
+//            skips resume_step batches with skip_first_batches (also when it is 0);
+//   epoch_N: starting_epoch = N + 1, no skipping.
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "testing/test_util.h"
+#include "torchpoint/accelerator.h"
+#include "torchpoint/data_loader.h"
+
+namespace torchpoint {
+namespace {
+
+using testing::TempDir;
+
+constexpr std::size_t kSamples = 22;  // with batches of 4: 6 batches, the last one partial
+constexpr std::size_t kBatch = 4;
+constexpr int kEpochs = 3;
+
+// Sample i is the number i, so a batch says which samples it holds.
+struct Numbers : torch::data::datasets::Dataset<Numbers> {
+  torch::data::Example<> get(std::size_t i) override {
+    auto v = torch::full({1}, static_cast<float>(i));
+    return {v, v * 0.5};
+  }
+  c10::optional<std::size_t> size() const override { return kSamples; }
+};
+
+using Loader = ResumableDataLoader<
+    torch::data::datasets::MapDataset<Numbers, torch::data::transforms::Stack<>>>;
+
+// What a run saw and where it ended.
+struct Run {
+  std::vector<std::vector<int>> batches;  // sample numbers of every batch trained on
+  std::vector<std::string> checkpoints;   // in the order saved
+  at::Tensor weight;
+};
+
+enum class Pattern { Step, Epoch };
+
+// One run of the user's loop. With `resume`, it first loads that checkpoint and computes where
+// to start as the user's code does, from the checkpoint's name.
+Run run_loop(const std::string& project, Pattern pattern, bool drop_last,
+             const std::optional<std::string>& resume = std::nullopt) {
+  Accelerator acc(ProjectConfiguration().project_dir(project));
+  torch::manual_seed(3);
+  torch::nn::Linear model(1, 1);
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+  auto loader = make_resumable_data_loader(
+      Numbers().map(torch::data::transforms::Stack<>()),
+      torch::data::DataLoaderOptions().batch_size(kBatch).drop_last(drop_last), /*shuffle=*/true,
+      /*seed=*/11);
+  acc.prepare(model, optimizer, loader);
+
+  int starting_epoch = 0;
+  std::optional<std::size_t> resume_step;
+  std::int64_t completed_steps = 0;
+  if (resume) {
+    acc.load_state(project + "/" + *resume);
+    const std::size_t per_epoch = loader->batches_per_epoch();
+    if (resume->starts_with("epoch_")) {
+      starting_epoch = std::stoi(resume->substr(6)) + 1;
+      completed_steps = starting_epoch * static_cast<std::int64_t>(per_epoch);
+    } else {
+      completed_steps = std::stoll(resume->substr(5));
+      starting_epoch = static_cast<int>(completed_steps / static_cast<std::int64_t>(per_epoch));
+      resume_step = static_cast<std::size_t>(completed_steps) -
+                    static_cast<std::size_t>(starting_epoch) * per_epoch;
+    }
+  }
+
+  Run run;
+  for (int epoch = starting_epoch; epoch < kEpochs; ++epoch) {
+    std::shared_ptr<Loader> active = loader;
+    if (resume && epoch == starting_epoch && resume_step.has_value()) {
+      active = acc.skip_first_batches(loader, *resume_step);
+    }
+    for (auto& batch : *active) {
+      std::vector<int> numbers;
+      for (std::int64_t i = 0; i < batch.data.size(0); ++i) {
+        numbers.push_back(static_cast<int>(batch.data[i][0].item<float>()));
+      }
+      run.batches.push_back(numbers);
+      optimizer.zero_grad();
+      auto loss = torch::mse_loss(model->forward(batch.data), batch.target);
+      acc.backward(loss);
+      optimizer.step();
+      ++completed_steps;
+      if (pattern == Pattern::Step) {
+        std::string name = "step_" + std::to_string(completed_steps);
+        acc.save_state(project + "/" + name);
+        run.checkpoints.push_back(name);
+      }
+    }
+    if (pattern == Pattern::Epoch) {
+      std::string name = "epoch_" + std::to_string(epoch);
+      acc.save_state(project + "/" + name);
+      run.checkpoints.push_back(name);
+    }
+  }
+  run.weight = model->weight.detach().clone();
+  return run;
+}
+
+void expect_resumes_exactly(Pattern pattern, bool drop_last) {
+  TempDir dir;
+  const std::string project = dir / "run";
+  Run whole = run_loop(project, pattern, drop_last);
+  ASSERT_FALSE(whole.checkpoints.empty());
+  // Each checkpoint's position in the uninterrupted run, in batches.
+  std::size_t per_epoch = drop_last ? kSamples / kBatch : (kSamples + kBatch - 1) / kBatch;
+  for (std::size_t c = 0; c < whole.checkpoints.size(); ++c) {
+    const std::string& name = whole.checkpoints[c];
+    SCOPED_TRACE(name);
+    std::size_t done = pattern == Pattern::Step ? c + 1 : (c + 1) * per_epoch;
+    // A fresh project holding only that checkpoint, as after a crash right after it was saved.
+    TempDir copy_dir;
+    const std::string copy = copy_dir / "run";
+    std::filesystem::create_directories(copy);
+    std::filesystem::copy(project + "/" + name, copy + "/" + name,
+                          std::filesystem::copy_options::recursive);
+    Run resumed = run_loop(copy, pattern, drop_last, name);
+    std::vector<std::vector<int>> expected(
+        whole.batches.begin() + static_cast<std::ptrdiff_t>(done), whole.batches.end());
+    ASSERT_EQ(resumed.batches, expected) << "the resumed run saw other batches";
+    EXPECT_TRUE(testing::bitwise_equal(resumed.weight, whole.weight));
+  }
+}
+
+// Accelerate's step_N pattern, a checkpoint after every step: including those taken at the last
+// batch of an epoch, where resume_step is 0 (before, that replayed the finished epoch).
+TEST(AccelerateLoops, StepCheckpointsResumeExactly) {
+  expect_resumes_exactly(Pattern::Step, /*drop_last=*/false);
+}
+TEST(AccelerateLoops, StepCheckpointsResumeExactlyWithDropLast) {
+  expect_resumes_exactly(Pattern::Step, /*drop_last=*/true);
+}
+
+// Accelerate's epoch_N pattern: saved after the epoch's loop, resumed at the next epoch (before,
+// the first resumed epoch was empty and every later one shifted by one).
+TEST(AccelerateLoops, EpochCheckpointsResumeExactly) {
+  expect_resumes_exactly(Pattern::Epoch, /*drop_last=*/false);
+}
+
+}  // namespace
+}  // namespace torchpoint
