@@ -163,7 +163,8 @@ TEST(Accelerator, UnreadableNewestCheckpointIsAnErrorNotAQuietFallback) {
 }
 
 // After load_state() of an older checkpoint, retention keeps every newer one that is not
-// proven corrupt (it holds progress this run does not have), and deletes one that is.
+// proven corrupt (it holds progress this run does not have), and deletes one that is first.
+// The checkpoint resumed from counts toward total_limit like any other.
 TEST(Accelerator, RetentionKeepsCheckpointsNewerThanTheResumedOneUnlessCorrupt) {
   for (bool corrupt : {false, true}) {
     SCOPED_TRACE(corrupt ? "checkpoint_2 corrupt" : "checkpoint_2 intact");
@@ -180,7 +181,7 @@ TEST(Accelerator, RetentionKeepsCheckpointsNewerThanTheResumedOneUnlessCorrupt) 
     older.acc.load_state(dir / "checkpoints/checkpoint_1");
     EXPECT_EQ(older.acc.save_state(), dir / "checkpoints/checkpoint_3");
     std::vector<std::string> expected = {".lock", "checkpoint_1", "checkpoint_3"};
-    if (!corrupt) expected = {".lock", "checkpoint_1", "checkpoint_2", "checkpoint_3"};
+    if (!corrupt) expected = {".lock", "checkpoint_2", "checkpoint_3"};
     EXPECT_EQ(testing::list_sorted(dir / "checkpoints"), expected);
   }
 }
@@ -214,30 +215,39 @@ TEST(Accelerator, TotalLimitDeletesOldestByNumberOnlyAfterCommit) {
   }
 
   // Resuming from an older checkpoint continues the numbering after the newest one (never
-  // colliding with it), and that run never deletes the checkpoint it resumed from, nor the
-  // valid ones newer than it (DESIGN.md, commit protocol step 5), only its own older saves.
+  // colliding with it), and that run never deletes the valid ones newer than the one it resumed
+  // from (DESIGN.md, commit protocol step 5); the one it resumed from and its own older saves go.
   AcceleratorJob resumed(automatic(dir.path()).total_limit(1));
   resumed.acc.load_state(dir / "checkpoints/checkpoint_9");
   EXPECT_EQ(resumed.acc.save_state(), dir / "checkpoints/checkpoint_12");
   EXPECT_EQ(resumed.acc.save_state(), dir / "checkpoints/checkpoint_13");
   names.clear();
   for (const auto& [n, path] : resumed.acc.list_checkpoints()) names.push_back(base_name(path));
-  EXPECT_EQ(names, (std::vector<std::string>{"checkpoint_9", "checkpoint_10", "checkpoint_11",
-                                             "checkpoint_13"}));
+  EXPECT_EQ(names, (std::vector<std::string>{"checkpoint_10", "checkpoint_11", "checkpoint_13"}));
 }
 
-TEST(Accelerator, ResumedFromCheckpointSurvivesTotalLimit) {
-  TempDir dir;
-  AcceleratorJob job(automatic(dir.path()).total_limit(1));
-  job.acc.save_state();  // checkpoint_0
-  job.acc.save_state();  // checkpoint_1; checkpoint_0 deleted
-  AcceleratorJob resumed(automatic(dir.path()).total_limit(1));
-  resumed.acc.load_state();  // checkpoint_1
-  resumed.acc.save_state();  // checkpoint_2; checkpoint_1 is kept: this run resumed from it
-  resumed.acc.save_state();  // checkpoint_3; checkpoint_2 goes
-  std::vector<std::int64_t> numbers;
-  for (const auto& [n, path] : resumed.acc.list_checkpoints()) numbers.push_back(n);
-  EXPECT_EQ(numbers, (std::vector<std::int64_t>{1, 3}));
+// total_limit is a maximum after a resume too: the checkpoint resumed from is one of the
+// checkpoints it counts (before, it was kept forever, one more than the limit).
+TEST(Accelerator, TotalLimitIsAMaximumAfterAResume) {
+  for (std::int64_t limit : {1, 2}) {
+    SCOPED_TRACE(limit);
+    TempDir dir;
+    AcceleratorJob job(automatic(dir.path()).total_limit(limit));
+    job.acc.save_state();  // checkpoint_0
+    job.acc.save_state();  // checkpoint_1
+    AcceleratorJob resumed(automatic(dir.path()).total_limit(limit));
+    EXPECT_EQ(resumed.acc.load_state().path, dir / "checkpoints/checkpoint_1");
+    resumed.acc.save_state();  // checkpoint_2
+    std::vector<std::int64_t> numbers;
+    for (const auto& [n, path] : resumed.acc.list_checkpoints()) numbers.push_back(n);
+    EXPECT_EQ(numbers,
+              (limit == 1 ? std::vector<std::int64_t>{2} : std::vector<std::int64_t>{1, 2}));
+    resumed.acc.save_state();  // checkpoint_3
+    numbers.clear();
+    for (const auto& [n, path] : resumed.acc.list_checkpoints()) numbers.push_back(n);
+    EXPECT_EQ(numbers,
+              (limit == 1 ? std::vector<std::int64_t>{3} : std::vector<std::int64_t>{2, 3}));
+  }
 }
 
 TEST(Accelerator, ACrashDuringSaveKeepsThePreviousCheckpoints) {

@@ -108,8 +108,10 @@ class Accelerator {
   // <project_dir>/checkpoints/checkpoint_<iteration> (then iteration + 1, and total_limit is
   // applied after the commit); otherwise to `output_dir`, which is then required. Returns the
   // path written. On failure every committed checkpoint is kept and nothing new is visible.
-  // total_limit never deletes the checkpoint this run resumed from, nor a valid one newer
-  // than it that was there before this run (only one proven corrupt).
+  // total_limit is a maximum (the checkpoint this run resumed from counts, and goes when it is
+  // among the oldest), with one exception: a checkpoint that was there before this run and is
+  // newer than the one it resumed from (after load_state() of an older one) is kept unless its
+  // own checksums prove it corrupt, since it holds progress this run lacks.
   std::string save_state(const std::string& output_dir = "");
 
   // Restores everything save_state() wrote. With no argument, the newest valid checkpoint under

@@ -165,21 +165,28 @@ void Accelerator::apply_total_limit(const std::string& just_written) {
     return resumed_number && static_cast<std::uint64_t>(number) > *resumed_number &&
            number < first_own_number_;
   };
-  for (const auto& [number, path] : all) {
-    if (excess <= 0) break;
-    // Never the checkpoint just committed, nor the one this run resumed from.
-    if (path == just_written || path == resumed_from_) continue;
-    // Nor one that was there, newer than the checkpoint this run resumed from (after
-    // load_state() of an older one), unless its own checksums prove it corrupt: it holds
-    // progress this run lacks.
-    if (newer_than_resumed(number) && !verify(path, env_).proven_corrupt()) continue;
-    // Renamed to a temporary name first, so that a crash mid-removal leaves something the next
-    // save sweeps away, never a half-deleted directory that still looks committed.
+  // Renamed to a temporary name first, so that a crash mid-removal leaves something the next
+  // save sweeps away, never a half-deleted directory that still looks committed.
+  auto remove = [&](const std::string& path) {
     std::string doomed = join_path(dir, temp_name(base_name(path)));
     env_.rename(path, doomed, /*replace=*/false);
     env_.sync_dir(dir);
     env_.remove_all(doomed);
     --excess;
+  };
+  // Checkpoints that were there, newer than the one this run resumed from (after load_state()
+  // of an older one), hold progress this run lacks: kept, unless their own checksums prove them
+  // corrupt, in which case they go first.
+  for (const auto& [number, path] : all) {
+    if (excess <= 0 || path == just_written || !newer_than_resumed(number)) continue;
+    if (verify(path, env_).proven_corrupt()) remove(path);
+  }
+  // Then the oldest, the checkpoint this run resumed from included: total_limit is a maximum.
+  // The checkpoint just committed, the newest valid one, is never deleted.
+  for (const auto& [number, path] : all) {
+    if (excess <= 0) break;
+    if (path == just_written || newer_than_resumed(number)) continue;
+    remove(path);
   }
 }
 
