@@ -16,6 +16,8 @@
 #include "testing/test_util.h"
 #include "torchpoint/accelerator.h"
 #include "torchpoint/data_loader.h"
+#include "torchpoint/error.h"
+#include "torchpoint/grad_scaler.h"
 
 namespace torchpoint {
 namespace {
@@ -149,6 +151,83 @@ TEST(AccelerateLoops, StepCheckpointsResumeExactlyWithDropLast) {
 // the first resumed epoch was empty and every later one shifted by one).
 TEST(AccelerateLoops, EpochCheckpointsResumeExactly) {
   expect_resumes_exactly(Pattern::Epoch, /*drop_last=*/false);
+}
+
+// The guide's loop with a GradScaler prepared: acc.backward(loss) scales the loss, so a plain
+// optimizer.step() would step on scaled gradients. That step is caught at the next backward()
+// or save_state(), which throw naming optimizer_step(), so it never reaches a checkpoint.
+// Gradient accumulation (several backward() calls per step) is not mistaken for it, and the
+// loop with acc.optimizer_step() runs clean (the control).
+TEST(AccelerateLoops, StepOnScaledGradientsFailsLoudly) {
+  for (bool through_accelerator : {false, true}) {
+    SCOPED_TRACE(through_accelerator ? "acc.optimizer_step" : "optimizer.step");
+    TempDir dir;
+    Accelerator acc(ProjectConfiguration().project_dir(dir.path()));
+    torch::nn::Linear model(3, 1);
+    torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
+    GradScaler scaler(GradScalerOptions().init_scale(1024));
+    acc.prepare(model, optimizer, scaler);
+    auto x = torch::randn({8, 3});
+    auto step = [&] {
+      optimizer.zero_grad();
+      for (int micro = 0; micro < 2; ++micro) {  // accumulation: two backward() per step
+        acc.backward(model->forward(x).pow(2).mean());
+      }
+      if (through_accelerator) {
+        acc.optimizer_step(optimizer);
+      } else {
+        optimizer.step();
+      }
+    };
+    step();
+    if (through_accelerator) {
+      step();
+      EXPECT_EQ(acc.save_state(dir / "ok"), dir / "ok");
+    } else {
+      testing::expect_error([&] { acc.save_state(dir / "bad"); }, ErrorCode::InvalidArgument,
+                            {"save_state()", "optimizer.step()", "acc.optimizer_step(optimizer)"});
+      EXPECT_FALSE(std::filesystem::exists(dir / "bad")) << "the bad step reached a checkpoint";
+      // The next step's first backward() finds the scaled gradients cleared, unconsumed.
+      testing::expect_error([&] { step(); }, ErrorCode::InvalidArgument, {"backward()"});
+      testing::expect_error([&] { acc.save_state(dir / "bad"); }, ErrorCode::InvalidArgument);
+    }
+  }
+}
+
+// step() counts acc.backward(loss) calls; a loop that calls loss.backward() itself gets a
+// warning that says so, once, and the counting loop (the control) gets none.
+TEST(AccelerateLoops, BackwardOutsideTheAcceleratorIsReported) {
+  for (bool through_accelerator : {false, true}) {
+    SCOPED_TRACE(through_accelerator ? "acc.backward" : "loss.backward");
+    TempDir dir;
+    Accelerator acc(ProjectConfiguration().project_dir(dir.path()));
+    torch::nn::Linear model(3, 1);
+    torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
+    acc.prepare(model, optimizer);
+    auto x = torch::randn({8, 3});
+    ::testing::internal::CaptureStderr();
+    for (int i = 0; i < 3; ++i) {
+      optimizer.zero_grad();
+      auto loss = model->forward(x).pow(2).mean();
+      if (through_accelerator) {
+        acc.backward(loss);
+      } else {
+        loss.backward();
+      }
+      optimizer.step();
+    }
+    acc.save_state(dir / "a");
+    acc.save_state(dir / "b");
+    std::string err = ::testing::internal::GetCapturedStderr();
+    if (through_accelerator) {
+      EXPECT_EQ(acc.step(), 3);
+      EXPECT_EQ(err, "");
+    } else {
+      EXPECT_EQ(acc.step(), 0);
+      EXPECT_NE(err.find("3 backward pass(es) did not go through"), std::string::npos) << err;
+      EXPECT_EQ(err.find("warning"), err.rfind("warning")) << "warned once: " << err;
+    }
+  }
 }
 
 }  // namespace

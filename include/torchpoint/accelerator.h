@@ -71,6 +71,8 @@ class Accelerator {
   const ProjectConfiguration& project_configuration() const { return config_; }
   const std::string& project_dir() const { return config_.project_dir(); }
   // Backward passes run through backward() since the start of the run (restored by load_state).
+  // Only acc.backward(loss) counts: a plain loss.backward() does not (a one-time warning on
+  // stderr says so when save_state() or backward() sees one).
   std::int64_t step() const { return step_; }
 
   // Registers objects whose state save_state() writes and load_state() restores, and returns
@@ -93,7 +95,13 @@ class Accelerator {
   // loss.backward(), through the GradScaler's scale when one is prepared; counts a step.
   void backward(const at::Tensor& loss);
   // optimizer.step(), through the GradScaler (unscale, skip on inf/NaN, update) when one is
-  // prepared. Returns whether the optimizer stepped.
+  // prepared. Returns whether the optimizer stepped. With a GradScaler prepared, the gradients
+  // after backward() are multiplied by the scale, so the optimizer must be stepped here. A loop
+  // that calls optimizer.step() instead fails loudly: save_state() throws InvalidArgument while
+  // a scaled backward() has not been consumed by optimizer_step() (so such a step never
+  // reaches a checkpoint), and so does a backward() that finds the previous scaled gradients
+  // cleared by zero_grad() without optimizer_step(). Gradient accumulation (several backward()
+  // calls, then one optimizer_step()) is fine.
   bool optimizer_step(torch::optim::Optimizer& optimizer);
 
   // Registers any object with state_dict()/load_state_dict(), saved as custom_checkpoint_<i>
@@ -174,12 +182,14 @@ class Accelerator {
   template <typename O>
   requires std::is_base_of_v<torch::optim::Optimizer, O> O& prepare_one(O& optimizer) {
     add_component("optimizer", AnyStateful::value(OptimizerAdapter{&optimizer, nullptr}));
+    watch(optimizer);
     return optimizer;
   }
   template <typename O>
   requires std::is_base_of_v<torch::optim::Optimizer, O> std::shared_ptr<O> prepare_one(
       std::shared_ptr<O> optimizer) {
     add_component("optimizer", AnyStateful::value(OptimizerAdapter{optimizer.get(), optimizer}));
+    watch(*optimizer);
     return optimizer;
   }
   template <typename S>
@@ -228,6 +238,15 @@ class Accelerator {
   };
 
   void add_component(const std::string& kind, AnyStateful object);
+  // Watches the optimizer's first trainable parameter: a hook on it counts backward passes
+  // that did not go through backward(), and its gradient shows when gradients were cleared.
+  void watch(torch::optim::Optimizer& optimizer);
+  // Throws when scaled gradients from backward() were not consumed by optimizer_step(): at
+  // save_state(), or at a backward() that finds them cleared (optimizer.step() then zero_grad()).
+  void check_no_step_on_scaled_gradients(const char* where);
+  // Warns once on stderr when backward passes ran outside backward(), which step() does not
+  // count.
+  void warn_about_uncounted_backwards();
   // File stem of the i-th component: "model", "model_1", "custom_checkpoint_0", ...
   std::vector<std::string> component_names() const;
   std::string checkpoints_dir() const;
@@ -245,6 +264,22 @@ class Accelerator {
   std::int64_t first_own_number_ = 0;
   std::vector<std::function<void(const std::string&)>> save_hooks_;
   std::vector<std::function<void(const std::string&)>> load_hooks_;
+
+  struct BackwardCounts;  // shared with the gradient hooks, which may outlive this object
+  std::shared_ptr<BackwardCounts> backward_counts_;
+  struct Watched {
+    at::Tensor param;
+    unsigned hook;
+  };
+  std::vector<Watched> hooked_;  // one trainable parameter per optimizer
+  // A scaled backward() ran and no optimizer_step() has consumed its gradients yet.
+  bool scaled_pending_ = false;
+  bool warned_uncounted_ = false;
+
+ public:
+  ~Accelerator();
+  Accelerator(const Accelerator&) = delete;
+  Accelerator& operator=(const Accelerator&) = delete;
 };
 
 }  // namespace torchpoint

@@ -4,8 +4,10 @@
 #include <torch/cuda.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <map>
+#include <string_view>
 
 #include "compat/torch_compat.h"
 #include "io/atomic_commit.h"
@@ -46,6 +48,66 @@ Accelerator::Accelerator(ProjectConfiguration config, Env& env)
   }
 }
 
+struct Accelerator::BackwardCounts {
+  std::atomic<bool> inside{false};       // backward() is running a backward pass
+  std::atomic<std::int64_t> outside{0};  // passes through a watched parameter, not from it
+};
+
+Accelerator::~Accelerator() {
+  for (Watched& w : hooked_) {
+    try {
+      w.param.remove_hook(w.hook);
+    } catch (const std::exception&) {
+      // The parameter's hooks were replaced meanwhile; nothing left to remove.
+    }
+  }
+}
+
+void Accelerator::watch(torch::optim::Optimizer& optimizer) {
+  if (!backward_counts_) backward_counts_ = std::make_shared<BackwardCounts>();
+  for (auto& group : optimizer.param_groups()) {
+    for (const at::Tensor& p : group.params()) {
+      if (!p.requires_grad()) continue;
+      std::shared_ptr<BackwardCounts> counts = backward_counts_;
+      at::Tensor param = p;
+      unsigned id = param.register_hook([counts](const at::Tensor&) {
+        if (!counts->inside.load()) counts->outside.fetch_add(1);
+      });
+      hooked_.push_back({param, id});
+      return;
+    }
+  }
+}
+
+void Accelerator::check_no_step_on_scaled_gradients(const char* where) {
+  if (!scaled_pending_) return;
+  const bool saving = std::string_view(where) == "save_state()";
+  bool cleared = false;
+  for (const Watched& w : hooked_) cleared = cleared || !w.param.grad().defined();
+  // Accumulating: more backward() before the step. Otherwise the parameters may hold a step
+  // taken on scaled gradients: every later save and backward() refuses too.
+  if (!saving && !cleared) return;
+  throw Error(ErrorCode::InvalidArgument,
+              fmt::format("{}: the gradients of the last backward() are multiplied by the "
+                          "GradScaler's scale and no optimizer_step() consumed them{}. With a "
+                          "GradScaler prepared, step with acc.optimizer_step(optimizer) (it "
+                          "unscales, skips inf/NaN steps and updates the scale), not "
+                          "optimizer.step(), and save at step boundaries; resume from the last "
+                          "checkpoint, which no such step reached",
+                          where, saving ? "" : " before they were cleared"));
+}
+
+void Accelerator::warn_about_uncounted_backwards() {
+  if (warned_uncounted_ || !backward_counts_ || backward_counts_->outside.load() == 0) return;
+  warned_uncounted_ = true;
+  std::fprintf(stderr,
+               "torchpoint: warning: %lld backward pass(es) did not go through "
+               "Accelerator::backward(loss): step() counts only those (it is %lld), so call "
+               "acc.backward(loss) instead of loss.backward()\n",
+               static_cast<long long>(backward_counts_->outside.load()),
+               static_cast<long long>(step_));
+}
+
 torch::Device Accelerator::device() const {
   return torch::cuda::is_available() ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
 }
@@ -78,8 +140,20 @@ std::vector<std::string> Accelerator::component_names() const {
 }
 
 void Accelerator::backward(const at::Tensor& loss) {
+  check_no_step_on_scaled_gradients("backward()");
+  warn_about_uncounted_backwards();
+  struct Inside {  // marks the pass as ours for the counting hooks, also when it throws
+    BackwardCounts* counts;
+    explicit Inside(BackwardCounts* c) : counts(c) {
+      if (counts) counts->inside = true;
+    }
+    ~Inside() {
+      if (counts) counts->inside = false;
+    }
+  } inside(backward_counts_.get());
   if (scaler_ != nullptr) {
     scaler_->scale(loss).backward();
+    scaled_pending_ = true;  // until optimizer_step() consumes these gradients
   } else {
     loss.backward();
   }
@@ -93,6 +167,7 @@ bool Accelerator::optimizer_step(torch::optim::Optimizer& optimizer) {
   }
   bool stepped = scaler_->step(optimizer);
   scaler_->update();
+  scaled_pending_ = false;
   return stepped;
 }
 
@@ -129,6 +204,8 @@ std::string Accelerator::save_state(const std::string& output_dir) {
                 "save_state() needs an output directory: pass one, or use "
                 "ProjectConfiguration().project_dir(...).automatic_checkpoint_naming(true)");
   }
+  check_no_step_on_scaled_gradients("save_state()");
+  warn_about_uncounted_backwards();
   const std::string path =
       automatic ? join_path(checkpoints_dir(), checkpoint_name(config_.iteration())) : output_dir;
   for (const auto& hook : save_hooks_) hook(path);
@@ -253,6 +330,7 @@ LoadStateReport Accelerator::load_state(const std::string& input_dir) {
     all.set_child(c.name, StateDict::from_container(c.contents));
   }
   RestoreReport restored = set.restore(all);
+  scaled_pending_ = false;  // the parameters were just replaced; no gradient is pending
 
   // A data position at the end of an epoch whose loop had not ended: the next iteration of that
   // loader yields no batch. Right for a loop that keeps its epoch in the checkpoint; a loop that
