@@ -153,6 +153,36 @@ TEST(AccelerateLoops, EpochCheckpointsResumeExactly) {
   expect_resumes_exactly(Pattern::Epoch, /*drop_last=*/false);
 }
 
+// prepare() gives back what it was given, with its own type: a user's module class behind a
+// shared_ptr, a TORCH_MODULE holder and LibTorch's own holders, so the loop calls forward().
+struct NetImpl : torch::nn::Module {
+  NetImpl() : fc(register_module("fc", torch::nn::Linear(3, 1))) {}
+  at::Tensor forward(const at::Tensor& x) { return fc->forward(x); }
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(Net);
+
+TEST(AccelerateLoops, PrepareKeepsTheTypesOfModules) {
+  TempDir dir;
+  Accelerator acc(ProjectConfiguration().project_dir(dir.path()));
+  auto shared = acc.prepare(std::make_shared<NetImpl>());
+  static_assert(std::is_same_v<decltype(shared), std::shared_ptr<NetImpl>>);
+  Net holder;
+  torch::optim::SGD optimizer(holder->parameters(), torch::optim::SGDOptions(0.1));
+  auto [net, opt, linear] = acc.prepare(holder, optimizer, torch::nn::Linear(2, 2));
+  static_assert(std::is_same_v<decltype(net), Net>);
+  static_assert(std::is_same_v<decltype(opt), torch::optim::SGD&>);
+  static_assert(std::is_same_v<decltype(linear), torch::nn::Linear>);
+  auto x = torch::ones({4, 3});
+  EXPECT_EQ(shared->forward(x).sizes(), (std::vector<std::int64_t>{4, 1}));
+  EXPECT_EQ(net->forward(x).sizes(), (std::vector<std::int64_t>{4, 1}));
+  // All three are checkpointed: model, model_1, model_2.
+  const std::string saved = acc.save_state(dir / "ckpt");
+  for (const char* file : {"model.safetensors", "model_1.safetensors", "model_2.safetensors"}) {
+    EXPECT_TRUE(std::filesystem::exists(saved + "/" + file)) << file;
+  }
+}
+
 // The guide's loop with a GradScaler prepared: acc.backward(loss) scales the loss, so a plain
 // optimizer.step() would step on scaled gradients. That step is caught at the next backward()
 // or save_state(), which throw naming optimizer_step(), so it never reaches a checkpoint.

@@ -21,6 +21,7 @@
 
 #include "torchpoint/data_loader.h"
 #include "torchpoint/env.h"
+#include "torchpoint/error.h"
 #include "torchpoint/grad_scaler.h"
 #include "torchpoint/lr_scheduler.h"
 #include "torchpoint/rng_state.h"
@@ -170,12 +171,17 @@ class Accelerator {
     AnyStateful object;
   };
 
-  template <typename M>
-  torch::nn::ModuleHolder<M> prepare_one(torch::nn::ModuleHolder<M> module) {
+  // A module holder (torch::nn::Linear, or a TORCH_MODULE(Net) holder) comes back as its own
+  // type, and a shared_ptr<NetImpl> as shared_ptr<NetImpl>, so `model->forward(x)` still works.
+  template <typename H>
+  requires std::is_base_of_v<torch::nn::ModuleHolder<typename H::ContainedType>, H> H
+  prepare_one(H module) {
     add_component("model", AnyStateful::value(ModuleAdapter{module.ptr()}));
     return module;
   }
-  std::shared_ptr<torch::nn::Module> prepare_one(std::shared_ptr<torch::nn::Module> module) {
+  template <typename M>
+  requires std::is_base_of_v<torch::nn::Module, M> std::shared_ptr<M> prepare_one(
+      std::shared_ptr<M> module) {
     add_component("model", AnyStateful::value(ModuleAdapter{module}));
     return module;
   }

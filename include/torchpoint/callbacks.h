@@ -19,6 +19,7 @@
 #include <memory>
 #include <string>
 
+#include "torchpoint/error.h"
 #include "torchpoint/learner.h"
 #include "torchpoint/lr_scheduler.h"
 

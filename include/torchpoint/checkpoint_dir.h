@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "torchpoint/env.h"
+#include "torchpoint/error.h"
 #include "torchpoint/tensor_file.h"
 
 namespace torchpoint {

@@ -9,6 +9,7 @@
 #include <memory>
 
 #include "torchpoint/data_position.h"
+#include "torchpoint/error.h"
 
 namespace torchpoint {
 

@@ -12,6 +12,7 @@
 #include <optional>
 #include <vector>
 
+#include "torchpoint/error.h"
 #include "torchpoint/state_dict.h"
 
 namespace torchpoint {

@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "torchpoint/error.h"
+
 namespace torchpoint {
 
 // A read-only mapping of a whole file. Unmapped on destruction.

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <unordered_map>
 
+#include "torchpoint/error.h"
 #include "torchpoint/state_dict.h"
 
 namespace torchpoint {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "torchpoint/env.h"
+#include "torchpoint/error.h"
 #include "torchpoint/state_dict.h"
 #include "torchpoint/tensor_file.h"
 

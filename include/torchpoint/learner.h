@@ -23,6 +23,7 @@
 
 #include "torchpoint/data_position.h"
 #include "torchpoint/env.h"
+#include "torchpoint/error.h"
 #include "torchpoint/state_dict.h"
 
 namespace torchpoint {

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "torchpoint/error.h"
 #include "torchpoint/state_dict.h"
 
 namespace torchpoint {

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "torchpoint/error.h"
 #include "torchpoint/state_dict.h"
 
 namespace torchpoint {

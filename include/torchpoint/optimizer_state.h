@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 
+#include "torchpoint/error.h"
 #include "torchpoint/state_dict.h"
 
 namespace torchpoint {

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "torchpoint/data_position.h"
+#include "torchpoint/error.h"
 
 namespace torchpoint {
 

@@ -12,6 +12,7 @@
 #include <variant>
 #include <vector>
 
+#include "torchpoint/error.h"
 #include "torchpoint/tensor_file.h"
 
 namespace torchpoint {

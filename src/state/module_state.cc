@@ -78,8 +78,9 @@ LoadReport load_module_state_dict(torch::nn::Module& module, const StateDict& st
   }
   if (strict && !report.complete()) {
     throw Error(ErrorCode::Incompatible,
-                fmt::format("the {} does not fit this module; nothing was loaded:\n{}\n(load with "
-                            "strict = false to load the keys that match)",
+                fmt::format("the {} does not fit this module; nothing was loaded:\n{}\nBuild the "
+                            "model as the run that saved it did; to load only the keys that "
+                            "match, call load_module_state_dict(module, state, /*strict=*/false)",
                             state.description(), report.summary()));
   }
   // Everything is checked: only now is the module changed. In place, so that optimizers and
