@@ -330,6 +330,11 @@ void FaultEnv::rename(const std::string& from, const std::string& to, bool repla
   record_dir_op({DirOp::Rename, to, from, parent_path(to), std::move(replaced)});
 }
 
+void FaultEnv::exchange(const std::string& a, const std::string& b) {
+  before(Op::Rename, a);
+  base_.exchange(a, b);
+}
+
 void FaultEnv::mkdir(const std::string& path) {
   before(Op::Mkdir, path);
   base_.mkdir(path);

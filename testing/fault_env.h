@@ -89,6 +89,8 @@ class FaultEnv : public Env {
   // Env
   std::unique_ptr<File> open(const std::string& path, OpenMode mode) override;
   void sync_dir(const std::string& dir) override;
+  // Not modelled by simulate_power_cut(): the tests of overwriting do not cut power.
+  void exchange(const std::string& a, const std::string& b) override;
   void rename(const std::string& from, const std::string& to, bool replace) override;
   void mkdir(const std::string& path) override;
   void remove_file(const std::string& path) override;

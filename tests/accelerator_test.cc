@@ -3,6 +3,9 @@
 
 #include <torch/torch.h>
 
+#include <filesystem>
+#include <fstream>
+
 #include "compat/torch_compat.h"
 #include "format/manifest.h"
 #include "io/filename.h"
@@ -342,8 +345,75 @@ TEST(Accelerator, PreHooksSeeThePaths) {
   job.acc.register_load_state_pre_hook([&](const std::string& p) { seen.push_back("load " + p); });
   job.acc.save_state();
   job.acc.load_state();
-  EXPECT_EQ(seen, (std::vector<std::string>{"save " + dir / "checkpoints/checkpoint_0",
-                                            "load " + dir / "checkpoints/checkpoint_0"}));
+  ASSERT_EQ(seen.size(), 2u);
+  // The save hook gets the directory being written, which becomes checkpoint_0 on commit.
+  EXPECT_TRUE(seen[0].starts_with("save " + dir / "checkpoints/checkpoint_0.tmp-")) << seen[0];
+  EXPECT_EQ(seen[1], "load " + dir / "checkpoints/checkpoint_0");
+}
+
+// Save hooks write files into the checkpoint, as save_pretrained-style hooks do in Accelerate:
+// they become part of it (in the manifest, checksummed, verified on load), and saving goes on
+// working (before, the hook's directory made this save and every later one fail).
+TEST(Accelerator, FilesASaveHookWritesArePartOfTheCheckpoint) {
+  TempDir dir;
+  AcceleratorJob job(automatic(dir.path()));
+  job.acc.register_save_state_pre_hook([](const std::string& out) {
+    std::ofstream(out + "/config.json") << R"({"hidden": 32})";
+    std::ofstream(out + "/notes.txt") << "written by a hook\n";
+  });
+  const std::string first = job.acc.save_state();
+  const std::string second = job.acc.save_state();
+  EXPECT_EQ(second, dir / "checkpoints/checkpoint_1");
+  EXPECT_EQ(testing::read_bytes(first + "/config.json"), R"({"hidden": 32})");
+  DirectoryCheckpoint loaded = load_directory(first);
+  EXPECT_EQ(loaded.extra_files, (std::vector<std::string>{"config.json", "notes.txt"}));
+  EXPECT_TRUE(verify(first).ok());
+  EXPECT_NE(testing::read_bytes(first + "/manifest.json").find("\"extra_files\""),
+            std::string::npos);
+  // Changed afterwards: caught by verify and by a load.
+  testing::write_bytes(first + "/config.json", R"({"hidden": 64})");
+  VerifyReport report = verify(first);
+  ASSERT_FALSE(report.ok());
+  EXPECT_TRUE(report.proven_corrupt());
+  EXPECT_NE(report.problems[0].find("config.json fails its checksum"), std::string::npos)
+      << report.problems[0];
+  expect_error([&] { job.acc.load_state(first); }, ErrorCode::Corruption, {"config.json"});
+  // A hook that writes a directory, or a component's file name, fails that save only.
+  AcceleratorJob bad(automatic(dir / "other"));
+  bad.acc.register_save_state_pre_hook(
+      [](const std::string& out) { std::filesystem::create_directory(out + "/sub"); });
+  expect_error([&] { bad.acc.save_state(); }, ErrorCode::InvalidArgument, {"sub", "a directory"});
+  EXPECT_TRUE(bad.acc.list_checkpoints().empty());
+}
+
+// save_state(dir) into an existing empty directory works (Accelerate creates it with
+// exist_ok=True); into a committed checkpoint only with overwrite, which replaces it whole; and
+// the errors say what is there.
+TEST(Accelerator, SaveIntoExistingDirectories) {
+  TempDir dir;
+  AcceleratorJob job(ProjectConfiguration().project_dir(dir.path()));
+  std::filesystem::create_directories(dir / "empty");
+  EXPECT_EQ(job.acc.save_state(dir / "empty"), dir / "empty");
+  EXPECT_TRUE(verify(dir / "empty").ok());
+
+  job.train(/*save_every=*/0);  // the state moves on
+  Error e = expect_error([&] { job.acc.save_state(dir / "empty"); }, ErrorCode::InvalidArgument,
+                         {dir / "empty", "is a committed checkpoint", "overwrite"});
+  EXPECT_EQ(load_directory(dir / "empty").info.step, 0) << "the old checkpoint is untouched";
+  EXPECT_EQ(job.acc.save_state(dir / "empty", /*overwrite=*/true), dir / "empty");
+  EXPECT_EQ(load_directory(dir / "empty").info.step, job.acc.step());
+  EXPECT_TRUE(verify(dir / "empty").ok());
+  for (const std::string& name : testing::list_sorted(dir.path())) {
+    EXPECT_FALSE(is_temp_name(name)) << "the replaced checkpoint is gone: " << name;
+  }
+
+  std::filesystem::create_directories(dir / "busy");
+  testing::write_bytes(dir / "busy/readme.txt", "not a checkpoint");
+  expect_error([&] { job.acc.save_state(dir / "busy"); }, ErrorCode::InvalidArgument,
+               {dir / "busy", "no manifest.json", "not a committed checkpoint"});
+  expect_error([&] { job.acc.save_state(dir / "busy", /*overwrite=*/true); },
+               ErrorCode::InvalidArgument, {"no manifest.json"});
+  EXPECT_EQ(testing::read_bytes(dir / "busy/readme.txt"), "not a checkpoint");
 }
 
 }  // namespace

@@ -121,7 +121,9 @@ class Accelerator {
   // among the oldest), with one exception: a checkpoint that was there before this run and is
   // newer than the one it resumed from (after load_state() of an older one) is kept unless its
   // own checksums prove it corrupt, since it holds progress this run lacks.
-  std::string save_state(const std::string& output_dir = "");
+  // `output_dir` may be an empty directory; a committed checkpoint there is replaced only with
+  // `overwrite`, atomically (the old one stays whole until the new one is committed).
+  std::string save_state(const std::string& output_dir = "", bool overwrite = false);
 
   // Restores everything save_state() wrote. With no argument, the newest valid checkpoint under
   // <project_dir>/checkpoints (numeric order; uncommitted ones are ignored, and newer ones
@@ -151,7 +153,11 @@ class Accelerator {
     return loader;
   }
 
-  // Called with the output directory before a save / the input directory before a load.
+  // Save hooks run during save_state(), with the directory being written (a temporary sibling of
+  // the output directory, renamed to it on commit), before the components are written; files a
+  // hook writes there (save_pretrained-style configs) become part of the checkpoint: listed in
+  // its manifest with checksums and verified on load. Load hooks run with the input directory
+  // before a load.
   void register_save_state_pre_hook(std::function<void(const std::string&)> hook) {
     save_hooks_.push_back(std::move(hook));
   }

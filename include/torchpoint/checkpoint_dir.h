@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -30,27 +31,42 @@ struct CheckpointInfo {
   Json metadata = Json::object();  // the caller's, kept as given
 };
 
-// Writes a new directory checkpoint at `path`, which must not exist; its parent is created if
-// needed. Holds `<parent>/.lock` while writing (a concurrent writer gets Locked) and first
-// removes temporaries that dead writers left in the parent. On failure nothing appears at
-// `path`, no temporary remains, and every other checkpoint is untouched.
+struct SaveDirectoryOptions {
+  // Replace a committed checkpoint at the path, atomically: the old one stays whole until the
+  // new one is committed, then it is removed. Without it, an existing checkpoint is an error.
+  bool overwrite = false;
+  // Called with the directory being written (a temporary sibling of the path, renamed to it on
+  // commit) before the components are written. Regular files it writes there become part of the
+  // checkpoint: fsynced, listed in the manifest with their size and XXH3 ("extra_files"), and
+  // verified on load. A subdirectory, a link or a file named like a component is an error.
+  std::function<void(const std::string& dir)> before_components;
+};
+
+// Writes a directory checkpoint at `path`, which must not exist, or be an empty directory (or,
+// with `options.overwrite`, a committed checkpoint); its parent is created if needed. Holds
+// `<parent>/.lock` while writing (a concurrent writer gets Locked) and first removes temporaries
+// that dead writers left in the parent. On failure nothing new appears at `path`, no temporary
+// remains, and every committed checkpoint is untouched.
 //
 // Example:
 //   torchpoint::save_directory("runs/a/checkpoints/checkpoint_0",
 //                              {{"model", {model_tensors, {}}}}, {.step = 100});
 void save_directory(const std::string& path, const std::vector<Component>& components,
-                    const CheckpointInfo& info = {}, Env& env = Env::posix());
+                    const CheckpointInfo& info = {}, Env& env = Env::posix(),
+                    const SaveDirectoryOptions& options = {});
 
 struct DirectoryCheckpoint {
   std::vector<Component> components;  // in the order they were saved
   CheckpointInfo info;
   std::string torchpoint_version;
   std::string libtorch_version;
+  std::vector<std::string> extra_files;  // written by before_components, each verified
 };
 
-// Loads and verifies every file of a directory checkpoint against its manifest. Throws
-// NotFound (no such directory, or no manifest: uncommitted or not a checkpoint), Corruption
-// (naming the file and tensor) or Incompatible (newer major format version).
+// Loads and verifies every file of a directory checkpoint against its manifest (the extra
+// files a save hook wrote included). Throws NotFound (no such directory, or no manifest:
+// uncommitted or not a checkpoint), Corruption (naming the file and tensor) or Incompatible
+// (newer major format version).
 DirectoryCheckpoint load_directory(const std::string& path, Env& env = Env::posix());
 
 }  // namespace torchpoint

@@ -103,6 +103,10 @@ class Env {
   // rename(2) when `replace`; renameat2(RENAME_NOREPLACE) otherwise, which fails if `to`
   // exists (EEXIST), so a committed checkpoint is never overwritten.
   virtual void rename(const std::string& from, const std::string& to, bool replace) = 0;
+  // Swaps two existing entries atomically (renameat2(RENAME_EXCHANGE)): how a committed
+  // checkpoint is replaced when the caller asks for it, with a whole one at `b` at every
+  // instant. This default throws Unsupported.
+  virtual void exchange(const std::string& a, const std::string& b);
   virtual void mkdir(const std::string& path) = 0;
   virtual void remove_file(const std::string& path) = 0;
   // Removes an empty directory.

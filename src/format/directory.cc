@@ -1,9 +1,11 @@
 // save_file, save_directory, load_directory and the directory half of verify.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <unordered_set>
 
+#include "format/checksum.h"
 #include "format/container.h"
 #include "format/manifest.h"
 #include "io/atomic_commit.h"
@@ -71,8 +73,100 @@ void save_file(const std::string& path, const Container& contents, Env& env) {
   pending.commit();
 }
 
+namespace {
+
+// XXH3 of the whole file at `path`, read in bounded pieces; its size in `size`.
+std::uint64_t file_checksum(Env& env, const std::string& path, std::uint64_t* size) {
+  std::unique_ptr<File> file = env.open(path, OpenMode::Read);
+  *size = file->size();
+  std::vector<std::uint8_t> buffer(
+      static_cast<std::size_t>(std::min<std::uint64_t>(*size, 4u << 20)));
+  Xxh3Stream stream;
+  for (std::uint64_t at = 0; at < *size;) {
+    std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(*size - at, buffer.size()));
+    file->read_exact(buffer.data(), n, at);
+    stream.update(buffer.data(), n);
+    at += n;
+  }
+  return stream.digest();
+}
+
+// The files a save hook wrote into `dir`: each made durable and checksummed.
+std::vector<ManifestExtraFile> collect_extra_files(Env& env, const std::string& dir,
+                                                   const std::vector<Component>& components) {
+  std::unordered_set<std::string> reserved = {std::string(kManifestFileName)};
+  for (const Component& c : components) reserved.insert(component_file_name(c.name));
+  std::vector<std::string> names = env.list_dir(dir);
+  std::sort(names.begin(), names.end());
+  std::vector<ManifestExtraFile> out;
+  for (const std::string& name : names) {
+    std::string file_path = join_path(dir, name);
+    FileInfo info = env.stat(file_path);
+    if (reserved.count(name)) {
+      throw Error(ErrorCode::InvalidArgument,
+                  fmt::format("a save hook wrote {}, a name the checkpoint itself uses: write "
+                              "other names",
+                              file_path));
+    }
+    if (info.is_symlink || !info.is_regular) {
+      throw Error(ErrorCode::InvalidArgument,
+                  fmt::format("a save hook made {}, which is {}: a checkpoint holds regular "
+                              "files only, directly in its directory",
+                              file_path,
+                              info.is_symlink     ? "a symbolic link"
+                              : info.is_directory ? "a directory"
+                                                  : "not a regular file"));
+    }
+    {
+      std::unique_ptr<File> file = env.open(file_path, OpenMode::Read);
+      file->sync();  // the hook may not have: the commit must not publish unsynced bytes
+      file->close();
+    }
+    ManifestExtraFile extra;
+    extra.name = name;
+    extra.checksum = file_checksum(env, file_path, &extra.size);
+    out.push_back(std::move(extra));
+  }
+  return out;
+}
+
+// Checks one extra file against the manifest; `report` collects, or throws when null.
+void check_extra_file(Env& env, const std::string& checkpoint, const ManifestExtraFile& f,
+                      VerifyReport* report) {
+  std::string file_path = join_path(checkpoint, f.name);
+  auto fail = [&](std::string why, ErrorCode code) {
+    if (report == nullptr) throw Error(code, why);
+    report->add(std::move(why), code);
+  };
+  try {
+    FileInfo info = env.stat(file_path);
+    if (info.is_symlink) {
+      return fail(fmt::format("{} is a symbolic link; the files of checkpoint {} are never "
+                              "links, so it is not followed: replace it with the file itself",
+                              file_path, checkpoint),
+                  ErrorCode::InvalidArgument);
+    }
+    if (!info.exists) {
+      return fail(fmt::format("{}: listed in the manifest but missing", file_path),
+                  ErrorCode::Corruption);
+    }
+    std::uint64_t size = 0;
+    std::uint64_t sum = file_checksum(env, file_path, &size);
+    if (size != f.size || sum != f.checksum) {
+      fail(fmt::format("{} fails its checksum ({} bytes, XXH3 {}; the manifest says {} bytes, "
+                       "{}): it was changed after the checkpoint was saved",
+                       file_path, size, checksum_hex(sum), f.size, checksum_hex(f.checksum)),
+           ErrorCode::Corruption);
+    }
+  } catch (const Error& e) {
+    fail(e.what(), e.code());
+  }
+}
+
+}  // namespace
+
 void save_directory(const std::string& path, const std::vector<Component>& components,
-                    const CheckpointInfo& info, Env& env) {
+                    const CheckpointInfo& info, Env& env, const SaveDirectoryOptions& options) {
   std::unordered_set<std::string> names;
   for (const Component& c : components) {
     check_component_name(c.name);
@@ -86,8 +180,13 @@ void save_directory(const std::string& path, const std::vector<Component>& compo
   ProjectLock lock(env, parent);
   remove_stale_temporaries(env, parent);
 
-  PendingDir pending(env, path);
+  PendingDir pending(env, path, options.overwrite);
   Manifest manifest;
+  if (options.before_components) {
+    options.before_components(pending.temp_path());
+    manifest.extra_files = collect_extra_files(env, pending.temp_path(), components);
+    if (!manifest.extra_files.empty()) manifest.version_minor = std::max(kFormatMinor, 1);
+  }
   manifest.torchpoint_version = torchpoint_version();
   manifest.libtorch_version = libtorch_version();
   manifest.created_unix_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -177,6 +276,10 @@ DirectoryCheckpoint load_directory(const std::string& path, Env& env) {
     }
     out.components.push_back({f.component, std::move(contents)});
   }
+  for (const ManifestExtraFile& f : manifest.extra_files) {
+    check_extra_file(env, path, f, nullptr);
+    out.extra_files.push_back(f.name);
+  }
   return out;
 }
 
@@ -243,6 +346,10 @@ VerifyReport verify_directory(const std::string& path, Env& env) {
         report.add(e.what(), e.code());
       }
     }
+  }
+  for (const ManifestExtraFile& f : manifest.extra_files) {
+    listed.insert(f.name);
+    check_extra_file(env, path, f, &report);
   }
   if (manifest_damaged) return report;
   try {

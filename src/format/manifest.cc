@@ -75,6 +75,13 @@ std::string serialize_manifest(const Manifest& m) {
       {"metadata", m.info.metadata},
       {"files", std::move(files)},
   };
+  if (!m.extra_files.empty()) {
+    ojson extras = ojson::object();
+    for (const ManifestExtraFile& f : m.extra_files) {
+      append_new_key(extras, f.name, {{"size", f.size}, {"xxh3", checksum_hex(f.checksum)}});
+    }
+    body["extra_files"] = std::move(extras);
+  }
   std::string text;
   try {
     text = body.dump(2);  // ends with "\n}"
@@ -173,6 +180,22 @@ Manifest parse_manifest(std::string_view bytes, const std::string& path, Problem
         throw std::runtime_error(fmt::format("file name '{}' does not match its component", name));
       }
       m.files.push_back(std::move(file));
+    }
+    if (auto extras = root.find("extra_files"); extras != root.end()) {
+      if (!extras->is_object()) throw std::runtime_error("\"extra_files\" is not an object");
+      for (const auto& [name, f] : extras->items()) {
+        ManifestExtraFile file;
+        file.name = name;
+        file.size = uint64_at(f, "size");
+        auto sum = parse_checksum_hex(f.at("xxh3").get<std::string>());
+        if (!sum) throw std::runtime_error(fmt::format("malformed xxh3 of {}", name));
+        file.checksum = *sum;
+        if (name.empty() || name.find('/') != std::string::npos || name == "." || name == ".." ||
+            name == kManifestFileName || files.contains(name)) {
+          throw std::runtime_error(fmt::format("extra file name '{}' is not usable", name));
+        }
+        m.extra_files.push_back(std::move(file));
+      }
     }
   } catch (const std::exception& e) {
     bad(fmt::format("malformed manifest: {}", e.what()));

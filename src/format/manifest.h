@@ -23,6 +23,15 @@ struct ManifestFile {
   std::uint64_t header_checksum = 0;  // covers the per-tensor checksums, so the whole file
 };
 
+// A file that a save hook wrote into the checkpoint (a config, a tokenizer...): any bytes,
+// covered by one checksum of the whole file. Listed under "extra_files" (format 1.1), which
+// readers of format 1.0 ignore.
+struct ManifestExtraFile {
+  std::string name;
+  std::uint64_t size = 0;
+  std::uint64_t checksum = 0;  // XXH3-64 of the whole file
+};
+
 struct Manifest {
   int version_major = kFormatMajor;
   int version_minor = kFormatMinor;
@@ -31,6 +40,7 @@ struct Manifest {
   std::int64_t created_unix_ms = 0;
   CheckpointInfo info;
   std::vector<ManifestFile> files;  // in the order the components were saved
+  std::vector<ManifestExtraFile> extra_files;
 };
 
 // The manifest's bytes: indented JSON whose last key is its own checksum.

@@ -69,15 +69,36 @@ void PendingFile::commit() {
   env_.sync_dir(parent_path(final_path_));
 }
 
-PendingDir::PendingDir(Env& env, std::string final_path)
+PendingDir::PendingDir(Env& env, std::string final_path, bool overwrite)
     : env_(env),
       final_path_(std::move(final_path)),
       temp_path_(join_path(parent_path(final_path_), temp_name(base_name(final_path_)))) {
-  if (env_.stat(final_path_).exists) {
-    throw Error(ErrorCode::InvalidArgument,
-                fmt::format("{} already exists: a committed checkpoint is never overwritten; "
-                            "choose a new directory or remove the old one",
-                            final_path_));
+  FileInfo existing = env_.stat(final_path_);
+  if (existing.exists) {
+    if (!existing.is_directory || existing.is_symlink) {
+      throw Error(ErrorCode::InvalidArgument,
+                  fmt::format("{} exists and is {}, not a directory: choose another path",
+                              final_path_, existing.is_symlink ? "a symbolic link" : "a file"));
+    }
+    std::vector<std::string> entries = env_.list_dir(final_path_);
+    bool committed = env_.stat(join_path(final_path_, "manifest.json")).exists;
+    if (entries.empty()) {
+      replace_empty_ = true;
+    } else if (committed && overwrite) {
+      exchange_ = true;
+    } else if (committed) {
+      throw Error(ErrorCode::InvalidArgument,
+                  fmt::format("{} is a committed checkpoint, which is never overwritten unless "
+                              "asked: pass overwrite (save_state(dir, /*overwrite=*/true)) to "
+                              "replace it atomically, or choose a new directory",
+                              final_path_));
+    } else {
+      throw Error(ErrorCode::InvalidArgument,
+                  fmt::format("{} exists and holds {} entr{} but no manifest.json, so it is not "
+                              "a committed checkpoint (it may be one whose save died, or another "
+                              "program's files): choose a new or empty directory, or remove it",
+                              final_path_, entries.size(), entries.size() == 1 ? "y" : "ies"));
+    }
   }
   register_live(temp_path_);
   try {
@@ -96,9 +117,19 @@ PendingDir::~PendingDir() {
 void PendingDir::commit() {
   // Entries of the files written inside are durable only after the directory itself is synced.
   env_.sync_dir(temp_path_);
-  // RENAME_NOREPLACE: if another writer committed the same name meanwhile, fail rather than
-  // replace (or nest inside) its checkpoint.
-  env_.rename(temp_path_, final_path_, /*replace=*/false);
+  if (exchange_) {
+    // The old checkpoint stays whole at final_path_ until this instant, when the two swap; it
+    // is then removed from the temporary name (or, after a crash, swept away as stale).
+    env_.exchange(temp_path_, final_path_);
+    committed_ = true;
+    env_.sync_dir(parent_path(final_path_));
+    remove_quietly(env_, temp_path_);
+    return;
+  }
+  // An empty directory is replaced by rename(2), which fails (ENOTEMPTY) should something be
+  // written into it meanwhile. Otherwise RENAME_NOREPLACE: if another writer committed the same
+  // name meanwhile, fail rather than replace (or nest inside) its checkpoint.
+  env_.rename(temp_path_, final_path_, /*replace=*/replace_empty_);
   committed_ = true;
   // Makes the new name durable.
   env_.sync_dir(parent_path(final_path_));

@@ -46,9 +46,12 @@ class PendingFile {
 // A directory committed by a rename that never replaces an existing directory.
 class PendingDir {
  public:
-  // Creates the temporary directory next to `final_path`. Throws InvalidArgument when
-  // `final_path` already exists: a committed checkpoint is never written into.
-  PendingDir(Env& env, std::string final_path);
+  // Creates the temporary directory next to `final_path`. An existing empty directory at
+  // `final_path` is replaced by the commit; an existing committed checkpoint (one holding
+  // manifest.json) only with `overwrite`, atomically (renameat2(RENAME_EXCHANGE), then the old
+  // one is removed). Anything else there throws InvalidArgument saying what it is: a committed
+  // checkpoint is never written into.
+  PendingDir(Env& env, std::string final_path, bool overwrite = false);
   ~PendingDir();
   PendingDir(const PendingDir&) = delete;
   PendingDir& operator=(const PendingDir&) = delete;
@@ -66,6 +69,8 @@ class PendingDir {
   std::string final_path_;
   std::string temp_path_;
   bool committed_ = false;
+  bool replace_empty_ = false;  // `final_path` is an empty directory, replaced by rename
+  bool exchange_ = false;       // `final_path` is a checkpoint the caller asked to overwrite
 };
 
 // The lock of a project (or checkpoint parent) directory: `<dir>/.lock`, held until

@@ -81,6 +81,13 @@ void File::read_exact(void* data, std::size_t size, std::uint64_t offset) {
   }
 }
 
+void Env::exchange(const std::string& a, const std::string& b) {
+  throw Error(ErrorCode::Unsupported,
+              fmt::format("this Env cannot exchange {} and {} atomically, which replacing a "
+                          "committed checkpoint needs: write to a new directory instead",
+                          a, b));
+}
+
 void Env::remove_all(const std::string& path) {
   FileInfo info = stat(path);
   if (!info.exists) return;

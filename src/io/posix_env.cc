@@ -187,6 +187,12 @@ class PosixEnv final : public Env {
     if (rc != 0) throw posix_error(fmt::format("rename of {} to {}", from, to), errno);
   }
 
+  void exchange(const std::string& a, const std::string& b) override {
+    if (::renameat2(AT_FDCWD, a.c_str(), AT_FDCWD, b.c_str(), RENAME_EXCHANGE) != 0) {
+      throw posix_error(fmt::format("exchange of {} and {}", a, b), errno);
+    }
+  }
+
   void mkdir(const std::string& path) override {
     if (::mkdir(path.c_str(), 0755) != 0) {
       throw posix_error(fmt::format("mkdir of {}", path), errno);

@@ -197,7 +197,7 @@ std::vector<std::pair<std::int64_t, std::string>> Accelerator::list_checkpoints(
   return out;
 }
 
-std::string Accelerator::save_state(const std::string& output_dir) {
+std::string Accelerator::save_state(const std::string& output_dir, bool overwrite) {
   const bool automatic = output_dir.empty() && config_.automatic_checkpoint_naming();
   if (output_dir.empty() && !automatic) {
     throw Error(ErrorCode::InvalidArgument,
@@ -208,7 +208,6 @@ std::string Accelerator::save_state(const std::string& output_dir) {
   warn_about_uncounted_backwards();
   const std::string path =
       automatic ? join_path(checkpoints_dir(), checkpoint_name(config_.iteration())) : output_dir;
-  for (const auto& hook : save_hooks_) hook(path);
 
   std::vector<std::string> names = component_names();
   std::vector<torchpoint::Component> files;
@@ -221,7 +220,14 @@ std::string Accelerator::save_state(const std::string& output_dir) {
   info.step = step_;
   info.iteration = config_.iteration();
   info.metadata = {{"accelerator", {{"step", step_}, {"components", names}}}};
-  save_directory(path, files, info, env_);
+  SaveDirectoryOptions options;
+  options.overwrite = overwrite;
+  if (!save_hooks_.empty()) {
+    options.before_components = [this](const std::string& dir) {
+      for (const auto& hook : save_hooks_) hook(dir);
+    };
+  }
+  save_directory(path, files, info, env_, options);
 
   if (automatic) {
     config_.iteration(config_.iteration() + 1);
