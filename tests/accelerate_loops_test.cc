@@ -183,6 +183,40 @@ TEST(AccelerateLoops, PrepareKeepsTheTypesOfModules) {
   }
 }
 
+// LibTorch's own torch::optim::StepLR, prepared as Accelerate users prepare their scheduler,
+// comes back exactly: a run saved after epoch 3 and resumed gives every later learning rate and
+// weight of the uninterrupted run (the step count, protected in LibTorch, is what it needs).
+TEST(AccelerateLoops, LibTorchStepLRResumesExactly) {
+  constexpr int kEpochs = 7;
+  auto run = [](const std::string& dir, int from, int save_at) {
+    Accelerator acc(ProjectConfiguration().project_dir(dir));
+    torch::manual_seed(5);
+    torch::nn::Linear model(3, 1);
+    torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
+    torch::optim::StepLR scheduler(optimizer, /*step_size=*/2, /*gamma=*/0.5);
+    auto [m, o, s] = acc.prepare(model, optimizer, scheduler);
+    static_assert(std::is_same_v<decltype(s), torch::optim::StepLR&>);
+    if (from > 0) acc.load_state(dir + "/epoch_" + std::to_string(from - 1));
+    std::vector<double> lrs;
+    auto x = torch::ones({4, 3});
+    for (int epoch = from; epoch < kEpochs; ++epoch) {
+      optimizer.zero_grad();
+      acc.backward(model->forward(x).pow(2).mean());
+      optimizer.step();
+      scheduler.step();
+      lrs.push_back(optimizer.param_groups()[0].options().get_lr());
+      if (epoch == save_at) acc.save_state(dir + "/epoch_" + std::to_string(epoch));
+    }
+    return std::make_pair(lrs, model->weight.detach().clone());
+  };
+  TempDir dir;
+  auto [whole_lrs, whole_weight] = run(dir.path(), 0, /*save_at=*/3);
+  auto [resumed_lrs, resumed_weight] = run(dir.path(), 4, /*save_at=*/-1);
+  EXPECT_EQ(resumed_lrs, std::vector<double>(whole_lrs.begin() + 4, whole_lrs.end()));
+  EXPECT_TRUE(testing::bitwise_equal(resumed_weight, whole_weight));
+  EXPECT_EQ(whole_lrs.back(), 0.1 * 0.125) << "the schedule did decay";
+}
+
 // The guide's loop with a GradScaler prepared: acc.backward(loss) scales the loss, so a plain
 // optimizer.step() would step on scaled gradients. That step is caught at the next backward()
 // or save_state(), which throw naming optimizer_step(), so it never reaches a checkpoint.

@@ -10,6 +10,7 @@
 
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
+#include <torch/optim/schedulers/step_lr.h>
 
 #include <cstdint>
 #include <functional>
@@ -28,6 +29,29 @@
 #include "torchpoint/state_dict.h"
 
 namespace torchpoint {
+
+namespace detail {
+template <typename>
+inline constexpr bool kAlwaysFalse = false;
+// LibTorch's torch::optim::ReduceLROnPlateauScheduler (LibTorch 2.1 and later), recognised by
+// its shape so that this header also builds against LibTorch 1.13, which lacks it.
+template <typename T>
+concept LibTorchPlateauScheduler = requires {
+  typename T::SchedulerMode;
+  typename T::ThresholdMode;
+}
+&&requires(T& t) { t.step(0.0f); }
+&&!std::is_base_of_v<LRScheduler, T>;
+// A LibTorch LR scheduler whose state torchpoint can read whole: torch::optim::StepLR, whose
+// only state is the step count of its base class (the learning rates live in the optimizer).
+StateDict libtorch_step_lr_state(const torch::optim::StepLR& scheduler);
+void load_libtorch_step_lr_state(torch::optim::StepLR& scheduler, const StateDict& state);
+struct LibTorchStepLR {
+  torch::optim::StepLR* scheduler;
+  StateDict state_dict() const { return libtorch_step_lr_state(*scheduler); }
+  void load_state_dict(const StateDict& s) { load_libtorch_step_lr_state(*scheduler, s); }
+};
+}  // namespace detail
 
 // Where and how checkpoints are named, with Accelerate's fields and defaults.
 struct ProjectConfiguration {
@@ -209,6 +233,31 @@ class Accelerator {
     add_component("scheduler", AnyStateful::ref(static_cast<LRScheduler&>(scheduler)));
     return scheduler;
   }
+  // LibTorch's torch::optim::StepLR, checkpointed exactly (its step count); its other
+  // schedulers keep private state, and preparing one says what to use instead.
+  torch::optim::StepLR& prepare_one(torch::optim::StepLR& scheduler) {
+    add_component("scheduler", AnyStateful::value(detail::LibTorchStepLR{&scheduler}));
+    return scheduler;
+  }
+  template <typename S>
+  requires(std::is_base_of_v<torch::optim::LRScheduler, S> &&
+           !std::is_same_v<S, torch::optim::StepLR>) S& prepare_one(S& scheduler) {
+    static_assert(detail::kAlwaysFalse<S>,
+                  "torchpoint: this LibTorch LR scheduler keeps state torchpoint cannot read, so "
+                  "it cannot be checkpointed exactly: use torchpoint's scheduler of the same name "
+                  "(torchpoint/lr_scheduler.h), or register an object with "
+                  "state_dict()/load_state_dict(); torch::optim::StepLR itself is supported");
+    return scheduler;
+  }
+  template <typename S>
+  requires detail::LibTorchPlateauScheduler<S> S& prepare_one(S& scheduler) {
+    static_assert(detail::kAlwaysFalse<S>,
+                  "torchpoint: torch::optim::ReduceLROnPlateauScheduler keeps its state "
+                  "(best value, bad epochs, cooldown) private, so it cannot be checkpointed "
+                  "exactly: use torchpoint::ReduceLROnPlateau (torchpoint/lr_scheduler.h), with "
+                  "the same options and PyTorch's state_dict");
+    return scheduler;
+  }
   GradScaler& prepare_one(GradScaler& scaler);
   template <typename Dataset>
   std::shared_ptr<ResumableDataLoader<Dataset>> prepare_one(
@@ -229,8 +278,16 @@ class Accelerator {
                   "state_dict()` and `void load_state_dict(const torchpoint::StateDict&)`");
     add_component("custom", AnyStateful(std::move(object)));
   }
+  void register_one(torch::optim::StepLR& scheduler) {
+    add_component("custom", AnyStateful::value(detail::LibTorchStepLR{&scheduler}));
+  }
   template <typename T>
   void register_one(T& object) {
+    static_assert(
+        !std::is_base_of_v<torch::optim::LRScheduler, T> && !detail::LibTorchPlateauScheduler<T>,
+        "torchpoint: this LibTorch LR scheduler keeps state torchpoint cannot read, so "
+        "it cannot be checkpointed exactly: use torchpoint's scheduler of the same name "
+        "(torchpoint/lr_scheduler.h); torch::optim::StepLR itself is supported");
     static_assert(Stateful<T>,
                   "torchpoint: register_for_checkpointing needs an object with `StateDict "
                   "state_dict()` and `void load_state_dict(const torchpoint::StateDict&)`");

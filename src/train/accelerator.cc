@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <limits>
 #include <map>
 #include <string_view>
 
@@ -24,7 +25,40 @@ namespace {
 constexpr const char* kRandomStates = "random_states_0";
 constexpr const char* kCustomPrefix = "custom_checkpoint_";
 
+// Reads and writes LRScheduler::step_count_, which LibTorch declares protected: a pointer to
+// that member may be formed in a class derived from LRScheduler, and then used on any one.
+struct StepCountAccess : torch::optim::LRScheduler {
+  static unsigned torch::optim::LRScheduler::*member() { return &StepCountAccess::step_count_; }
+};
+
 }  // namespace
+
+namespace detail {
+
+StateDict libtorch_step_lr_state(const torch::optim::StepLR& scheduler) {
+  StateDict s;
+  s.set_description("torch::optim::StepLR");
+  s.set("type", "torch::optim::StepLR");
+  s.set("step_count", static_cast<std::uint64_t>(scheduler.*StepCountAccess::member()));
+  return s;
+}
+
+void load_libtorch_step_lr_state(torch::optim::StepLR& scheduler, const StateDict& state) {
+  if (!state.contains("type") || state.get<std::string>("type") != "torch::optim::StepLR") {
+    throw Error(ErrorCode::Incompatible,
+                fmt::format("{} is not the state of a torch::optim::StepLR: prepare the same "
+                            "kind of scheduler as the run that saved it",
+                            state.description()));
+  }
+  auto count = state.get<std::uint64_t>("step_count");
+  if (count > std::numeric_limits<unsigned>::max()) {
+    throw Error(ErrorCode::Corruption,
+                fmt::format("{}: step_count {} is out of range", state.description(), count));
+  }
+  scheduler.*StepCountAccess::member() = static_cast<unsigned>(count);
+}
+
+}  // namespace detail
 
 StateDict Accelerator::ModuleAdapter::state_dict() const { return module_state_dict(*module); }
 void Accelerator::ModuleAdapter::load_state_dict(const StateDict& state) {
