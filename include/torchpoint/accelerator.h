@@ -339,6 +339,9 @@ class Accelerator {
   struct Watched {
     at::Tensor param;
     unsigned hook;
+    // Its gradient had a non-zero value (among its first elements) after the last scaled
+    // backward(): all zeros later means zero_grad() ran (LibTorch 1.13 zeroes, 2.x unsets).
+    bool had_gradient = false;
   };
   std::vector<Watched> hooked_;  // one trainable parameter per optimizer
   // A scaled backward() ran and no optimizer_step() has consumed its gradients yet.

@@ -25,6 +25,14 @@ namespace {
 constexpr const char* kRandomStates = "random_states_0";
 constexpr const char* kCustomPrefix = "custom_checkpoint_";
 
+// Whether `param` has a gradient with a non-zero value among its first 4096 elements (a bounded
+// look, whatever the parameter's size).
+bool has_gradient(const at::Tensor& param) {
+  const at::Tensor& g = param.grad();
+  if (!g.defined() || g.numel() == 0) return false;
+  return g.reshape({-1}).slice(0, 0, 4096).ne(0).any().item<bool>();
+}
+
 // Reads and writes LRScheduler::step_count_, which LibTorch declares protected: a pointer to
 // that member may be formed in a class derived from LRScheduler, and then used on any one.
 struct StepCountAccess : torch::optim::LRScheduler {
@@ -117,7 +125,9 @@ void Accelerator::check_no_step_on_scaled_gradients(const char* where) {
   if (!scaled_pending_) return;
   const bool saving = std::string_view(where) == "save_state()";
   bool cleared = false;
-  for (const Watched& w : hooked_) cleared = cleared || !w.param.grad().defined();
+  for (const Watched& w : hooked_) {
+    cleared = cleared || !w.param.grad().defined() || (w.had_gradient && !has_gradient(w.param));
+  }
   // Accumulating: more backward() before the step. Otherwise the parameters may hold a step
   // taken on scaled gradients: every later save and backward() refuses too.
   if (!saving && !cleared) return;
@@ -188,6 +198,7 @@ void Accelerator::backward(const at::Tensor& loss) {
   if (scaler_ != nullptr) {
     scaler_->scale(loss).backward();
     scaled_pending_ = true;  // until optimizer_step() consumes these gradients
+    for (Watched& w : hooked_) w.had_gradient = has_gradient(w.param);
   } else {
     loss.backward();
   }
