@@ -716,7 +716,7 @@ void Bench::print_table(std::FILE* out) const {
                  kPeakSlackBytes;
     fmt::print(out,
                "  {} peak extra memory: save {} MiB, load {} MiB (anon {}) (<= {} MiB: save {}; "
-               "load includes the loaded state's mapped pages)\n",
+               "load includes the loaded tensors themselves)\n",
                s.name, mib(r.peak_extra[kSave]), mib(r.peak_extra[kLoad]),
                mib(r.peak_extra_anon[kLoad]), mib(limit), verdict(r.peak_extra[kSave] <= limit));
   }
