@@ -408,16 +408,19 @@ TEST(Learner, SeedResumeFromCheckpointRestoresOnlyTheModelByDefault) {
   EXPECT_EQ(result.records.values("train", "loss").size(), 2u);
 }
 
+// As luz: the records come back and then the fit trains the epochs it asks for, after them
+// (before, a fit of 10 epochs resumed at epoch 3 trained 7, and one resumed at epoch 10 none).
 TEST(Learner, ResumeFromCheckpointRestoreRecordsContinuesAfterTheSavedEpoch) {
   Saved saved;
   auto data = testing::seed_data();
   AfterResume seen;
   FitResult result = testing::dropout_learner(77)->fit(
       {data.x, data.y},
-      quiet(5).callbacks(
+      quiet(2).callbacks(
           {callbacks::resume_from_checkpoint(saved.last).restore_records(true), seen.probe()}));
   EXPECT_EQ(seen.epochs_done, 3);
   EXPECT_EQ(result.resumed_after_epoch, std::optional<std::int64_t>(3));
+  EXPECT_EQ(result.epochs_completed, 5) << "3 restored + the 2 this fit asks for";
   MetricRecords saved_records;
   saved_records.load_state_dict(saved.last_state.child("records"));
   expect_same_records(seen.records, saved_records);
@@ -500,23 +503,35 @@ TEST(Learner, ResumeFromDirectoryTakesTheLargestEpochNumberAndSkipsCorruptOnes) 
   EXPECT_TRUE(model_matches(seen.model, read_state(ckpts + "/epoch-10.ckpt")));
 
   testing::flip_bit(ckpts + "/epoch-10.ckpt", 200, 0);
-  ::testing::internal::CaptureStderr();
-  testing::linear_learner(5)->fit(
-      {data.x, data.y},
-      quiet(1).callbacks({callbacks::resume_from_checkpoint(ckpts), seen.probe()}));
-  std::string warnings = ::testing::internal::GetCapturedStderr();
+  std::ostringstream output;  // the Learner's warnings go where its progress goes
+  testing::linear_learner(5)->fit({data.x, data.y},
+                                  FitOptions().epochs(1).output(&output).callbacks(
+                                      {callbacks::resume_from_checkpoint(ckpts), seen.probe()}));
+  std::string warnings = output.str();
   EXPECT_NE(warnings.find("skipping invalid checkpoint " + ckpts + "/epoch-10.ckpt"),
             std::string::npos)
       << warnings;
   EXPECT_TRUE(model_matches(seen.model, read_state(ckpts + "/epoch-9.ckpt")));
 
-  expect_error(
-      [&] {
-        testing::linear_learner()->fit(
-            {data.x, data.y},
-            quiet(1).callbacks({callbacks::resume_from_checkpoint(dir / "nowhere")}));
-      },
-      ErrorCode::NotFound, {"nowhere", "does not exist"});
+  // A path that does not exist: as luz, a warning, and the fit starts from scratch.
+  std::ostringstream fresh_output;
+  FitResult fresh = testing::linear_learner()->fit(
+      {data.x, data.y}, FitOptions()
+                            .epochs(2)
+                            .output(&fresh_output)
+                            .callbacks({callbacks::resume_from_checkpoint(dir / "nowhere")}));
+  EXPECT_NE(fresh_output.str().find("warning: resume_from_checkpoint: " + dir / "nowhere" +
+                                    " does not exist; training starts from scratch"),
+            std::string::npos)
+      << fresh_output.str();
+  EXPECT_EQ(fresh.resumed_after_epoch, std::nullopt);
+  EXPECT_EQ(fresh.epochs_completed, 2);
+  // verbose(false) silences it.
+  std::ostringstream silent;
+  testing::linear_learner()->fit({data.x, data.y},
+                                 FitOptions().epochs(1).verbose(false).output(&silent).callbacks(
+                                     {callbacks::resume_from_checkpoint(dir / "nowhere")}));
+  EXPECT_EQ(silent.str(), "");
 }
 
 TEST(Learner, CallbackHooksRunInLuzOrder) {

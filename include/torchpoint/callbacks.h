@@ -77,8 +77,10 @@ inline ModelCheckpointOptions model_checkpoint(std::string path) {
 // At the start of the fit, loads a learner checkpoint: `path` is a file, or a directory whose
 // newest valid checkpoint (largest epoch number in the file name, never lexical order) is
 // used; invalid ones are skipped with a warning naming them. By default only the model
-// weights; restore_records also restores the epoch and step counters, so the fit continues
-// after the checkpoint's epoch. A missing path is a NotFound error.
+// weights; restore_records also restores the records and the epoch and step counters, and the
+// fit then trains FitOptions::epochs more epochs after the checkpoint's, as luz does. A path
+// that does not exist is a warning, and the fit starts from scratch (as in luz). Warnings go
+// where the fit's progress goes (FitOptions::output) unless verbose(false).
 struct ResumeFromCheckpointOptions {
   explicit ResumeFromCheckpointOptions(std::string path) : path_(std::move(path)) {}
   TORCH_ARG(std::string, path);

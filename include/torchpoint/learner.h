@@ -120,10 +120,12 @@ struct Context {
   MetricRecords* records = nullptr;
   Env* env = nullptr;
 
-  std::int64_t epoch = 0;   // the epoch running or just finished, from 1
-  std::int64_t epochs = 0;  // the epoch fit() stops after
-  std::int64_t step = 0;    // optimizer steps taken since the start of the fit
-  std::int64_t batch = 0;   // the batch of the current epoch and set, from 1
+  std::int64_t epoch = 0;  // the epoch running or just finished, from 1
+  // The epoch fit() stops after: FitOptions::epochs, or, after resume_from_checkpoint with
+  // restore_records, the restored epoch plus FitOptions::epochs (luz trains that many more).
+  std::int64_t epochs = 0;
+  std::int64_t step = 0;   // optimizer steps taken since the start of the fit
+  std::int64_t batch = 0;  // the batch of the current epoch and set, from 1
   std::int64_t batches_per_epoch = 0;
   std::string set;  // "train" or "valid"
 
@@ -136,6 +138,10 @@ struct Context {
   // Ends the fit after the current epoch (as early stopping does); counts as success.
   void stop_training() { stop_requested = true; }
   bool stop_requested = false;
+
+  // Prints "torchpoint: warning: <message>" where the fit's progress goes
+  // (FitOptions::output, std::cout when null), unless the fit is verbose(false).
+  void warn(const std::string& message) const;
 };
 
 // The callbacks of fit(), with luz's hooks, called in this order for each epoch:

@@ -200,13 +200,15 @@ class ResumeFromCheckpoint final : public Callback {
     const std::string& path = options_.path();
     FileInfo info = ctx.env->stat(path);
     if (!info.exists) {
-      throw Error(ErrorCode::NotFound,
-                  fmt::format("resume_from_checkpoint: {} does not exist; give a checkpoint file "
-                              "or a directory of them",
-                              path));
+      // As luz: a first run of a script that resumes "if there is something to resume".
+      ctx.warn(
+          fmt::format("resume_from_checkpoint: {} does not exist; training starts from "
+                      "scratch",
+                      path));
+      return;
     }
     if (!info.is_directory) {
-      ctx.learner->restore_checkpoint(path, what, ctx.env);
+      restore(ctx, path, what);
       return;
     }
     std::vector<std::pair<std::optional<std::uint64_t>, std::string>> candidates;
@@ -221,12 +223,11 @@ class ResumeFromCheckpoint final : public Callback {
     for (const auto& [number, name] : candidates) {
       std::string file = join_path(path, name);
       try {
-        ctx.learner->restore_checkpoint(file, what, ctx.env);
+        restore(ctx, file, what);
         return;
       } catch (const Error& e) {
         if (e.code() != ErrorCode::Corruption && e.code() != ErrorCode::NotFound) throw;
-        std::fprintf(stderr, "torchpoint: skipping invalid checkpoint %s: %s\n", file.c_str(),
-                     e.what());
+        ctx.warn(fmt::format("skipping invalid checkpoint {}: {}", file, e.what()));
       }
     }
     throw Error(ErrorCode::NotFound,
@@ -234,6 +235,13 @@ class ResumeFromCheckpoint final : public Callback {
   }
 
  private:
+  // Restores `file`; with the records (and counters), the fit then trains its epochs beyond the
+  // restored one, as luz does, rather than stopping at its total.
+  void restore(Context& ctx, const std::string& file, const RestoreOptions& what) {
+    ctx.learner->restore_checkpoint(file, what, ctx.env);
+    if (what.records()) ctx.epochs = ctx.learner->counters().epoch + ctx.options->epochs();
+  }
+
   ResumeFromCheckpointOptions options_;
 };
 

@@ -156,6 +156,12 @@ CallbackError::CallbackError(std::string callback, std::string hook, std::int64_
       hook_(std::move(hook)),
       epoch_(epoch) {}
 
+void Context::warn(const std::string& message) const {
+  if (options == nullptr || !options->verbose()) return;
+  std::ostream& out = options->output() != nullptr ? *options->output() : std::cout;
+  out << "torchpoint: warning: " << message << std::endl;
+}
+
 void Learner::init(std::shared_ptr<torch::nn::Module> model, Forward forward,
                    std::shared_ptr<torch::optim::Optimizer> optimizer, Loss loss) {
   if (!model || !optimizer || !forward || !loss) {
@@ -292,7 +298,7 @@ FitResult Learner::fit(const FitData& data, const FitOptions& options) {
             : ""));
   }
 
-  while (!ctx.stop_requested && counters_.epoch < options.epochs()) {
+  while (!ctx.stop_requested && counters_.epoch < ctx.epochs) {
     ctx.epoch = counters_.epoch + 1;
     ctx.step = counters_.step;
     bool continuing = run.mid_epoch;
@@ -306,7 +312,7 @@ FitResult Learner::fit(const FitData& data, const FitOptions& options) {
       run.each("on_epoch_begin", &Callback::on_epoch_begin);
       run.each("on_train_begin", &Callback::on_train_begin);
     }
-    progress.epoch_begin(ctx.epoch, options.epochs(), ctx.batches_per_epoch);
+    progress.epoch_begin(ctx.epoch, ctx.epochs, ctx.batches_per_epoch);
     model_->train();
     run.sampler.reset();
     while (auto indices = run.sampler.next(batch_size)) {
@@ -380,7 +386,7 @@ FitResult Learner::fit(const FitData& data, const FitOptions& options) {
   result.records = records_;
   result.epochs_completed = counters_.epoch;
   result.steps = counters_.step;
-  result.stopped_early = ctx.stop_requested && counters_.epoch < options.epochs();
+  result.stopped_early = ctx.stop_requested && counters_.epoch < ctx.epochs;
   result.resumed_after_epoch = run.resumed_after_epoch;
   return result;
 }
