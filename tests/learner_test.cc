@@ -299,7 +299,26 @@ TEST(Learner, MonitoringAMetricThatDoesNotExistIsAClearError) {
             quiet(1).callbacks(
                 {callbacks::model_checkpoint(dir / "x-{nope}.ckpt").monitor("train_loss")}));
       },
-      ErrorCode::InvalidArgument, {"x-{nope}.ckpt", "{epoch}", "train_loss"});
+      ErrorCode::InvalidArgument,
+      {"x-{nope}.ckpt", "the fields it may use are {epoch}, {monitor}, {train_loss}"});
+}
+
+// luz's own example template: a directory per epoch, and the monitored value by {monitor}.
+TEST(Learner, ModelCheckpointTemplateTakesLuzsMonitorField) {
+  auto data = testing::seed_data();
+  TempDir dir;
+  FitResult result = testing::linear_learner()->fit(
+      {data.x, data.y},
+      quiet(3).callbacks(
+          {callbacks::model_checkpoint(dir / "checkpoints/epoch-{epoch:02d}/model-{monitor:.2f}.pt")
+               .monitor("train_loss")}));
+  const auto& losses = result.records.values("train", "loss");
+  ASSERT_EQ(losses.size(), 3u);
+  for (int epoch = 1; epoch <= 3; ++epoch) {
+    std::string expected = dir / fmt::format("checkpoints/epoch-{:02d}/model-{:.2f}.pt", epoch,
+                                             losses[static_cast<std::size_t>(epoch - 1)]);
+    EXPECT_TRUE(verify(expected).ok()) << expected;
+  }
 }
 
 TEST(Learner, SeedLoadCheckpointReplacesTheWeightsOfAFittedLearner) {

@@ -51,11 +51,12 @@ inline AutoResumeOptions auto_resume(std::string path = "./state.ckpt") {
 
 // Writes a learner checkpoint at the end of each epoch. `path` is a directory (ending in '/'
 // or existing), where files are named epoch-{epoch:02d}-{monitor}-{value:.3f}.ckpt, or a
-// file name template in fmt syntax using {epoch} and metric names
-// ("run-{epoch}-{valid_loss:.2f}.ckpt"). With save_best_only, only epochs whose monitored value
-// improves on the best so far by more than min_delta (in `mode`'s direction) are written. The best
-// value is part of the callback's state. A monitored metric that the fit does not record is an
-// InvalidArgument error at the start of the fit, naming the metrics that exist.
+// file name template in fmt syntax using {epoch}, {monitor} (the monitored value, as in luz)
+// and metric names ("epoch-{epoch:02d}/model-{monitor:.2f}.ckpt", "run-{valid_loss:.2f}.ckpt").
+// With save_best_only, only epochs whose monitored value improves on the best so far by more than
+// min_delta (in `mode`'s direction) are written. The best value is part of the callback's state. A
+// monitored metric that the fit does not record is an InvalidArgument error at the start of the
+// fit, naming the metrics that exist.
 struct ModelCheckpointOptions {
   explicit ModelCheckpointOptions(std::string path) : path_(std::move(path)) {}
   TORCH_ARG(std::string, path);

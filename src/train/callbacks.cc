@@ -156,19 +156,23 @@ class ModelCheckpoint final : public Callback {
       return join_path(options_.path(), fmt::format("epoch-{:02d}-{}-{:.3f}.ckpt", ctx.epoch,
                                                     options_.monitor(), value));
     }
-    // A template: {epoch} and every metric of the epoch, by name.
+    // A template: {epoch}, {monitor} (the monitored value, as luz) and every metric of the
+    // epoch, by name, each with a format spec if wanted ({epoch:02d}, {monitor:.2f}).
     fmt::dynamic_format_arg_store<fmt::format_context> args;
     args.push_back(fmt::arg("epoch", ctx.epoch));
-    for (const auto& [name, v] : ctx.metrics) args.push_back(fmt::arg(name.c_str(), v));
+    args.push_back(fmt::arg("monitor", value));
+    for (const auto& [name, v] : ctx.metrics) {
+      if (name != "epoch" && name != "monitor") args.push_back(fmt::arg(name.c_str(), v));
+    }
     try {
       return fmt::vformat(options_.path(), args);
     } catch (const fmt::format_error& e) {
-      std::vector<std::string> names = {"epoch"};
-      for (const auto& [name, v] : ctx.metrics) names.push_back(name);
+      std::vector<std::string> fields = {"{epoch}", "{monitor}"};
+      for (const auto& [name, v] : ctx.metrics) fields.push_back("{" + name + "}");
       throw Error(ErrorCode::InvalidArgument,
-                  fmt::format("model_checkpoint path template '{}' cannot be formatted ({}); it "
-                              "may use {{epoch}} and {}",
-                              options_.path(), e.what(), fmt::join(names, ", ")));
+                  fmt::format("model_checkpoint path template '{}' cannot be formatted ({}); the "
+                              "fields it may use are {}",
+                              options_.path(), e.what(), fmt::join(fields, ", ")));
     }
   }
 
