@@ -469,6 +469,28 @@ TEST(Learner, ResumeFromCheckpointRestoreOptimizerState) {
   EXPECT_TRUE(seen.records.empty());
 }
 
+// auto_resume resumes the same fit: a saved callback state that this fit has no callback for
+// is an error naming it (resume_from_checkpoint, below, only warns).
+TEST(Learner, AutoResumeRefusesCallbackStatesThisFitCannotTake) {
+  auto data = testing::seed_data();
+  TempDir dir;
+  const std::string state = dir / "state.ckpt";
+  try {
+    testing::linear_learner()->fit(
+        {data.x, data.y},
+        quiet().callbacks({std::make_shared<Interrupt>(), callbacks::auto_resume(state),
+                           callbacks::early_stopping().monitor("train_loss").patience(100)}));
+    FAIL() << "the interrupt callback must stop the first fit";
+  } catch (const CallbackError&) {
+  }
+  expect_error(
+      [&] {
+        testing::linear_learner()->fit({data.x, data.y},
+                                       quiet().callbacks({callbacks::auto_resume(state)}));
+      },
+      ErrorCode::Incompatible, {"early_stopping", "no callback of that name"});
+}
+
 TEST(Learner, ResumeFromCheckpointRestoreCallbacksState) {
   Saved saved;
   auto data = testing::seed_data();
@@ -495,15 +517,22 @@ TEST(Learner, ResumeFromCheckpointRestoreCallbacksState) {
       quiet(1).callbacks({callbacks::resume_from_checkpoint(saved.last), fresh, probe}));
   EXPECT_TRUE(std::isinf(restored.get_double("best")));
 
-  // A saved callback state with no callback to take it is refused, not dropped.
-  expect_error(
-      [&] {
-        testing::dropout_learner(77)->fit(
-            {data.x, data.y},
-            quiet(1).callbacks(
-                {callbacks::resume_from_checkpoint(saved.last).restore_callbacks_state(true)}));
-      },
-      ErrorCode::Incompatible, {"model_checkpoint", "early_stopping", "no callback of that name"});
+  // As luz: a saved callback state with no callback of this fit to take it is reported, not
+  // refused, and the callbacks present get theirs.
+  std::ostringstream output;
+  CallbackPtr only_stopping = callbacks::early_stopping().monitor("train_loss").build();
+  probe->at_fit_begin = [&](Context&) { restored = only_stopping->state_dict(); };
+  testing::dropout_learner(77)->fit(
+      {data.x, data.y},
+      FitOptions().epochs(1).output(&output).callbacks(
+          {callbacks::resume_from_checkpoint(saved.last).restore_callbacks_state(true),
+           only_stopping, probe}));
+  EXPECT_NE(output.str().find("warning: the checkpoint holds the state of callback(s) "
+                              "model_checkpoint that this fit does not have"),
+            std::string::npos)
+      << output.str();
+  EXPECT_EQ(restored.get_double("best"),
+            saved.last_state.get_double("callbacks.state.early_stopping.best"));
 }
 
 TEST(Learner, ResumeFromDirectoryTakesTheLargestEpochNumberAndSkipsCorruptOnes) {

@@ -80,8 +80,11 @@ inline ModelCheckpointOptions model_checkpoint(std::string path) {
 // used; invalid ones are skipped with a warning naming them. By default only the model
 // weights; restore_records also restores the records and the epoch and step counters, and the
 // fit then trains FitOptions::epochs more epochs after the checkpoint's, as luz does. A path
-// that does not exist is a warning, and the fit starts from scratch (as in luz). Warnings go
-// where the fit's progress goes (FitOptions::output) unless verbose(false).
+// that does not exist is a warning, and the fit starts from scratch (as in luz).
+// restore_callbacks_state gives each callback of this fit the state saved under its name; a
+// saved state that no callback of this fit takes is reported, not an error (auto_resume, which
+// resumes the same fit, refuses it). Warnings go where the fit's progress goes
+// (FitOptions::output) unless verbose(false).
 struct ResumeFromCheckpointOptions {
   explicit ResumeFromCheckpointOptions(std::string path) : path_(std::move(path)) {}
   TORCH_ARG(std::string, path);

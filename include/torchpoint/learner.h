@@ -284,6 +284,10 @@ struct RestoreOptions {
   // last finished epoch.
   TORCH_ARG(bool, records) = true;
   TORCH_ARG(bool, callbacks) = true;
+  // With callbacks: a saved state that no callback of this fit takes is an error (auto_resume,
+  // which resumes the same fit); when false it is reported as a warning and left (luz's
+  // resume_from_checkpoint with restore_callbacks_state).
+  TORCH_ARG(bool, strict_callbacks) = true;
   // The exact position: data order and position, mid-epoch accumulators, RNG state.
   TORCH_ARG(bool, position) = true;
 };

@@ -200,6 +200,7 @@ class ResumeFromCheckpoint final : public Callback {
                               .optimizer(options_.restore_optimizer_state())
                               .records(options_.restore_records())
                               .callbacks(options_.restore_callbacks_state())
+                              .strict_callbacks(false)
                               .position(false);
     const std::string& path = options_.path();
     FileInfo info = ctx.env->stat(path);

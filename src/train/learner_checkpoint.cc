@@ -100,6 +100,7 @@ struct PositionPart {
 // callback before any is changed.
 struct CallbacksPart {
   detail::FitRun* run;
+  bool strict = true;
   StateDict state_dict() const {
     StateDict s;
     std::vector<std::string> names;
@@ -121,7 +122,13 @@ struct CallbacksPart {
         missing.push_back(name);
       }
     }
-    if (!missing.empty()) {
+    if (!missing.empty() && !strict) {
+      run->ctx.warn(fmt::format(
+          "the checkpoint holds the state of callback(s) {} that this fit does not have (it "
+          "has: {}); that state was not restored",
+          fmt::join(missing, ", "),
+          present.empty() ? "none" : fmt::format("{}", fmt::join(present, ", "))));
+    } else if (!missing.empty()) {
       throw Error(
           ErrorCode::Incompatible,
           fmt::format("the checkpoint holds the state of callback(s) {} but this fit has "
@@ -240,7 +247,7 @@ void Learner::restore_checkpoint(const std::string& path, const RestoreOptions& 
   }
   if (what.callbacks()) {
     select("callbacks");
-    set.add("callbacks", CallbacksPart{run_});
+    set.add("callbacks", CallbacksPart{run_, what.strict_callbacks()});
   }
   if (what.position()) {
     select("rng");
