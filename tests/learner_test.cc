@@ -875,6 +875,24 @@ TEST(Learner, ResumeFromDirectoryStopsAtANewestCheckpointItCannotJudge) {
   resume();  // control: with the file restored, the same search resumes
 }
 
+// A loss module is a loss, as in luz (nn_cross_entropy_loss()), and accuracy() scores
+// multiclass predictions; evaluate() agrees with the accuracy computed by hand.
+TEST(Learner, LossModulesAndMulticlassAccuracy) {
+  torch::manual_seed(3);
+  auto x = torch::randn({60, 4});
+  auto y = x.narrow(1, 0, 3).argmax(1);  // three classes, learnable from the inputs
+  torch::nn::Linear net(4, 3);
+  auto learner = std::make_shared<Learner>(
+      net, make_optimizer<torch::optim::Adam>(torch::optim::AdamOptions(0.05)),
+      torch::nn::CrossEntropyLoss());
+  FitResult result = learner->fit({x, y}, quiet(5).batch_size(10).metrics({metrics::accuracy()}));
+  ASSERT_EQ(result.records.values("train", "accuracy").size(), 5u);
+  std::map<std::string, double> scores = learner->evaluate({x, y}, 60, {metrics::accuracy()});
+  double by_hand = learner->predict(x).argmax(1).eq(y).to(at::kDouble).mean().item<double>();
+  EXPECT_EQ(scores.at("valid_accuracy"), by_hand);
+  EXPECT_GT(by_hand, 0.5) << "it learned something";
+}
+
 TEST(Learner, ALearnerCheckpointOfANewerVersionIsRefusedNamingBoth) {
   TempDir dir;
   StateDict state;

@@ -107,6 +107,9 @@ Metric mae();  // mean absolute error
 Metric mse();  // mean squared error
 // Share of predictions on the right side of `threshold` for 0/1 targets.
 Metric binary_accuracy(double threshold = 0.5);
+// Share of right classes for multiclass predictions [N, C] (scores or logits: the class is the
+// largest), against targets [N] of class indices or one-hot [N, C].
+Metric accuracy();
 }  // namespace metrics
 
 // What callbacks see: the learner, the position in the run and the current batch. Fields are
@@ -310,7 +313,8 @@ class Learner {
   // `model`: a LibTorch module holder (torch::nn::Linear, a TORCH_MODULE) or a shared_ptr to a
   // module with forward(Tensor). `optimizer`: a shared_ptr to an optimizer over the model's
   // parameters, or a factory (make_optimizer) called with them. `loss`: callable as
-  // loss(pred, target), such as torch::mse_loss.
+  // loss(pred, target), such as torch::mse_loss, or a loss module such as
+  // torch::nn::CrossEntropyLoss().
   template <typename Model, typename Optimizer, typename LossFn>
   Learner(Model model, Optimizer optimizer, LossFn loss) {
     auto module = as_module(model);
@@ -368,7 +372,10 @@ class Learner {
   template <typename F>
   static Loss as_loss(F f) {
     if constexpr (std::is_invocable_r_v<at::Tensor, F, const at::Tensor&, const at::Tensor&>) {
-      return [f](const at::Tensor& p, const at::Tensor& t) -> at::Tensor { return f(p, t); };
+      // mutable: a loss module (torch::nn::CrossEntropyLoss(), ...) is called through a
+      // non-const operator().
+      return
+          [f](const at::Tensor& p, const at::Tensor& t) mutable -> at::Tensor { return f(p, t); };
     } else {
       static_assert(
           std::is_invocable_r_v<at::Tensor, F, const at::Tensor&, const at::Tensor&, std::int64_t>,

@@ -141,6 +141,18 @@ Metric mse() {
     return d * d;
   });
 }
+Metric accuracy() {
+  return Metric("accuracy", [](const at::Tensor& p, const at::Tensor& t) {
+    if (p.dim() != 2) {
+      throw Error(ErrorCode::InvalidArgument,
+                  fmt::format("accuracy needs predictions of shape [N, classes], got {}; for one "
+                              "output per sample use binary_accuracy",
+                              fmt::join(p.sizes(), "x")));
+    }
+    at::Tensor classes = t.dim() == 2 ? t.argmax(1) : t.reshape({-1});
+    return p.argmax(1).eq(classes.to(at::kLong)).to(at::kDouble);
+  });
+}
 Metric binary_accuracy(double threshold) {
   return Metric("binary_accuracy", [threshold](const at::Tensor& p, const at::Tensor& t) {
     return (p > threshold).eq(t > 0.5).to(at::kDouble);
