@@ -25,6 +25,7 @@
 #include "testing/fault_env.h"
 #include "testing/test_util.h"
 #include "tests/learner_job.h"
+#include "torchpoint/accelerator.h"
 #include "torchpoint/checkpoint_dir.h"
 #include "torchpoint/data_position.h"
 #include "torchpoint/env.h"
@@ -1093,6 +1094,32 @@ TEST(CliPrune, NeverDeletesTheNewestValidAndMaxModeKeepsTheHighest) {
   EXPECT_EQ(action(again.out, "checkpoint_10"), "KEEP");
   EXPECT_EQ(p.left(), (std::vector<std::string>{".lock", "checkpoint_10", "checkpoint_11",
                                                 "checkpoint_12.tmp-123-abcdef0123456789"}));
+}
+
+// Accelerator checkpoints with metrics logged by log(), as Accelerate users log: ls shows
+// them, and prune --keep-best ranks by them.
+TEST(CliAccelerator, LoggedMetricsAreListedAndRankPrune) {
+  TempDir tmp;
+  {
+    Accelerator acc(
+        ProjectConfiguration().project_dir(tmp.path()).automatic_checkpoint_naming(true));
+    torch::nn::Linear model(2, 1);
+    acc.prepare(model);
+    for (double val_loss : {0.9, 0.2, 0.5, 0.7}) {
+      acc.log({{"val_loss", val_loss}, {"accuracy", 1 - val_loss}});
+      acc.save_state();
+    }
+  }
+  Result ls = tp({"ls", tmp.path(), "--json"});
+  ASSERT_EQ(ls.status, 0) << ls.err;
+  Json listed = parse_json(ls);
+  ASSERT_EQ(listed["checkpoints"].size(), 4u);
+  EXPECT_EQ(listed["checkpoints"][1]["metrics"]["val_loss"], 0.2);
+  EXPECT_EQ(listed["checkpoints"][3]["metrics"]["accuracy"], 1 - 0.7);
+  Result prune = tp({"prune", tmp.path(), "--keep-last", "1", "--keep-best", "val_loss"});
+  ASSERT_EQ(prune.status, 0) << prune.err;
+  EXPECT_EQ(testing::list_sorted(tmp / "checkpoints"),
+            (std::vector<std::string>{".lock", "checkpoint_1", "checkpoint_3"}));
 }
 
 // The checkpoints a Learner's model_checkpoint writes: ls shows their epoch, step and metric,

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -189,6 +190,16 @@ class Accelerator {
     load_hooks_.push_back(std::move(hook));
   }
 
+  // Accelerate's log(): records metric values (the latest value of each name is kept), which
+  // the next save_state() writes into its manifest's metadata as "metrics", where
+  // `torchpoint ls` shows them and `torchpoint prune --keep-best NAME` ranks checkpoints by
+  // them. A non-finite value is written as null. Throws InvalidArgument for an empty name.
+  //
+  // Example:
+  //   accelerator.log({{"val_loss", 0.31}, {"accuracy", 0.92}});
+  //   accelerator.save_state();
+  void log(const std::map<std::string, double>& values);
+
   // RNGs beyond the default generators (saved in random_states_0).
   RngState& rng() { return rng_; }
 
@@ -347,6 +358,7 @@ class Accelerator {
   // A scaled backward() ran and no optimizer_step() has consumed its gradients yet.
   bool scaled_pending_ = false;
   bool warned_uncounted_ = false;
+  Json logged_metrics_ = Json::object();  // by name, in the order first logged
 
  public:
   ~Accelerator();

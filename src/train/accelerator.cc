@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <limits>
 #include <map>
@@ -152,6 +153,15 @@ void Accelerator::warn_about_uncounted_backwards() {
                static_cast<long long>(step_));
 }
 
+void Accelerator::log(const std::map<std::string, double>& values) {
+  for (const auto& [name, value] : values) {
+    if (name.empty()) throw Error(ErrorCode::InvalidArgument, "log(): a metric needs a name");
+  }
+  for (const auto& [name, value] : values) {
+    logged_metrics_[name] = std::isfinite(value) ? Json(value) : Json(nullptr);
+  }
+}
+
 torch::Device Accelerator::device() const {
   return torch::cuda::is_available() ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
 }
@@ -265,6 +275,7 @@ std::string Accelerator::save_state(const std::string& output_dir, bool overwrit
   info.step = step_;
   info.iteration = config_.iteration();
   info.metadata = {{"accelerator", {{"step", step_}, {"components", names}}}};
+  if (!logged_metrics_.empty()) info.metadata["metrics"] = logged_metrics_;
   SaveDirectoryOptions options;
   options.overwrite = overwrite;
   if (!save_hooks_.empty()) {
