@@ -635,13 +635,37 @@ TEST(Learner, CallbackErrorsNameTheCallbackAndTorchpointErrorsPassThrough) {
                                        quiet(1).callbacks({std::make_shared<Refuser>()}));
       },
       ErrorCode::Locked, {"held elsewhere"});
+  auto refuser = std::make_shared<Refuser>();
   expect_error(
       [&] {
-        testing::linear_learner()->fit(
-            {data.x, data.y},
-            quiet(1).callbacks({std::make_shared<Refuser>(), std::make_shared<Refuser>()}));
+        testing::linear_learner()->fit({data.x, data.y}, quiet(1).callbacks({refuser, refuser}));
       },
-      ErrorCode::InvalidArgument, {"two callbacks are named 'refuser'"});
+      ErrorCode::InvalidArgument, {"callback 'refuser' is given twice"});
+}
+
+// Several model_checkpoint callbacks in one fit need no hand-given names (luz's users add one
+// per monitored metric): the later ones are numbered, and each keeps its own best value (with
+// auto_resume in the fit, whose checkpoints hold both states).
+TEST(Learner, SeveralModelCheckpointsInOneFitWithoutNames) {
+  auto data = testing::seed_data();
+  TempDir dir;
+  auto make_callbacks = [&] {
+    return std::vector<CallbackPtr>{
+        callbacks::model_checkpoint(dir / "by_loss/").monitor("train_loss").save_best_only(true),
+        callbacks::model_checkpoint(dir / "by_mae/")
+            .monitor("train_mae")
+            .mode(Mode::kMax)
+            .save_best_only(true),
+        callbacks::auto_resume(dir / "state.ckpt")};
+  };
+  std::vector<CallbackPtr> first = make_callbacks();
+  testing::linear_learner()->fit({data.x, data.y},
+                                 quiet(3).metrics({metrics::mae()}).callbacks(first));
+  EXPECT_EQ(first[0]->name(), "model_checkpoint");
+  EXPECT_EQ(first[1]->name(), "model_checkpoint_1");
+  EXPECT_FALSE(testing::list_sorted(dir / "by_loss").empty());
+  EXPECT_FALSE(testing::list_sorted(dir / "by_mae").empty());
+  EXPECT_NE(first[0]->state_dict().get_double("best"), first[1]->state_dict().get_double("best"));
 }
 
 TEST(Learner, AutoResumeRefusesAStateFileOfAnotherModelAndChangesNothing) {

@@ -173,7 +173,9 @@ struct Context {
 //   };
 class Callback {
  public:
-  // `name` identifies the callback's state in checkpoints; names in one fit must differ.
+  // `name` identifies the callback's state in checkpoints. When several callbacks of one fit
+  // share a name (two model_checkpoint callbacks), fit() numbers the later ones in the order
+  // given: "model_checkpoint", "model_checkpoint_1", ... (the same on every rerun).
   explicit Callback(std::string name) : name_(std::move(name)) {}
   virtual ~Callback() = default;
   const std::string& name() const { return name_; }
@@ -208,6 +210,7 @@ class Callback {
   virtual int order() const { return 0; }
 
  private:
+  friend class Learner;  // numbers repeated names: model_checkpoint, model_checkpoint_1, ...
   std::string name_;
 };
 using CallbackPtr = std::shared_ptr<Callback>;

@@ -244,13 +244,25 @@ FitResult Learner::fit(const FitData& data, const FitOptions& options) {
   run.env = options.env() != nullptr ? options.env() : &Env::posix();
 
   std::set<std::string> names;
+  std::set<const Callback*> objects;
   for (const CallbackPtr& callback : options.callbacks()) {
     if (!callback) throw Error(ErrorCode::InvalidArgument, "fit: a callback is null");
-    if (!names.insert(callback->name()).second) {
+    if (!objects.insert(callback.get()).second) {
       throw Error(ErrorCode::InvalidArgument,
-                  fmt::format("fit: two callbacks are named '{}'; names identify their state in "
-                              "checkpoints and must differ",
+                  fmt::format("fit: callback '{}' is given twice; give each callback once",
                               callback->name()));
+    }
+    // Names identify the callbacks' state in checkpoints: a repeated one is numbered, in the
+    // order given, so that a rerun of the same fit names them the same way.
+    if (!names.insert(callback->name()).second) {
+      std::string base = callback->name();
+      for (int i = 1;; ++i) {
+        std::string numbered = fmt::format("{}_{}", base, i);
+        if (names.insert(numbered).second) {
+          callback->name_ = numbered;
+          break;
+        }
+      }
     }
     run.callbacks.push_back(callback);
   }
