@@ -917,6 +917,59 @@ TEST(Learner, LossModulesAndMulticlassAccuracy) {
   EXPECT_GT(by_hand, 0.5) << "it learned something";
 }
 
+// luz's csv_logger: a row per epoch and set whose values read back to the records exactly; an
+// interrupted fit resumed by auto_resume leaves the same file as an uninterrupted one (the row
+// of the epoch it repeats is not written twice).
+TEST(Learner, CsvLoggerRowsMatchTheRecordsAndSurviveAResume) {
+  auto data = testing::seed_data();
+  auto valid = testing::seed_data(50);
+  TempDir dir;
+  auto options = [&](const std::string& csv, std::vector<CallbackPtr> extra) {
+    std::vector<CallbackPtr> cbs = {callbacks::csv_logger(csv)};
+    for (auto& c : extra) cbs.push_back(c);
+    return quiet(6).metrics({metrics::mae()}).valid_data({valid.x, valid.y}).callbacks(cbs);
+  };
+  torch::manual_seed(42);
+  FitResult whole =
+      testing::linear_learner()->fit({data.x, data.y}, options(dir / "whole.csv", {}));
+  std::vector<std::string> lines;
+  {
+    std::ifstream in(dir / "whole.csv");
+    for (std::string line; std::getline(in, line);) lines.push_back(line);
+  }
+  ASSERT_EQ(lines.size(), 13u);
+  EXPECT_EQ(lines[0], "epoch,set,loss,mae");
+  for (std::size_t epoch = 1; epoch <= 6; ++epoch) {
+    for (const char* set : {"train", "valid"}) {
+      const std::string& line = lines[2 * epoch - (set == std::string("train") ? 1 : 0)];
+      std::vector<std::string> cells;
+      std::stringstream ss(line);
+      for (std::string cell; std::getline(ss, cell, ',');) cells.push_back(cell);
+      ASSERT_EQ(cells.size(), 4u) << line;
+      EXPECT_EQ(cells[0], std::to_string(epoch));
+      EXPECT_EQ(cells[1], set);
+      EXPECT_EQ(std::stod(cells[2]), whole.records.values(set, "loss")[epoch - 1]) << line;
+      EXPECT_EQ(std::stod(cells[3]), whole.records.values(set, "mae")[epoch - 1]) << line;
+    }
+  }
+
+  const std::string state = dir / "state.ckpt";
+  torch::manual_seed(42);
+  try {
+    testing::linear_learner()->fit(
+        {data.x, data.y}, options(dir / "resumed.csv",
+                                  {std::make_shared<Interrupt>(4), callbacks::auto_resume(state)}));
+    FAIL() << "the interrupt callback must stop the first fit";
+  } catch (const CallbackError&) {
+  }
+  // The interrupted fit wrote epoch 4's rows, which its checkpoint (epoch 3) does not hold.
+  EXPECT_EQ(testing::read_bytes(dir / "resumed.csv").find("\n5,"), std::string::npos);
+  EXPECT_NE(testing::read_bytes(dir / "resumed.csv").find("\n4,train"), std::string::npos);
+  testing::linear_learner(99)->fit({data.x, data.y},
+                                   options(dir / "resumed.csv", {callbacks::auto_resume(state)}));
+  EXPECT_EQ(testing::read_bytes(dir / "resumed.csv"), testing::read_bytes(dir / "whole.csv"));
+}
+
 TEST(Learner, ALearnerCheckpointOfANewerVersionIsRefusedNamingBoth) {
   TempDir dir;
   StateDict state;

@@ -118,6 +118,27 @@ struct EarlyStoppingOptions {
 };
 inline EarlyStoppingOptions early_stopping() { return EarlyStoppingOptions(); }
 
+// luz's luz_callback_csv_logger: one CSV row per epoch and set, "epoch,set,loss,<metrics>",
+// each value written so that it reads back to the same double. The rows written so far are the
+// callback's state: after auto_resume the file is cut back to the checkpoint's rows before the
+// fit goes on, so a run interrupted after writing a row it then repeats has no duplicate; the
+// file of an interrupted and resumed fit is the file of an uninterrupted one.
+//
+// Example:
+//   learner.fit(data, torchpoint::FitOptions().callbacks({torchpoint::callbacks::csv_logger(
+//                         "logs/metrics.csv")}));
+struct CsvLoggerOptions {
+  explicit CsvLoggerOptions(std::string path) : path_(std::move(path)) {}
+  TORCH_ARG(std::string, path);
+  // Names the callback's state in checkpoints.
+  TORCH_ARG(std::string, name) = "csv_logger";
+
+ public:
+  CallbackPtr build() const;
+  operator CallbackPtr() const { return build(); }  // NOLINT: implicit by design
+};
+inline CsvLoggerOptions csv_logger(std::string path) { return CsvLoggerOptions(std::move(path)); }
+
 // Creates an LR scheduler on the fit's optimizer at the start of the fit and steps it at the
 // end of every epoch (luz's default), or after every optimizer step with step_every_batch.
 // The scheduler's state is the callback's state.

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <optional>
 
 #include "io/filename.h"
@@ -250,6 +251,106 @@ class ResumeFromCheckpoint final : public Callback {
   ResumeFromCheckpointOptions options_;
 };
 
+class CsvLogger final : public Callback {
+ public:
+  explicit CsvLogger(CsvLoggerOptions options)
+      : Callback(options.name()), options_(std::move(options)) {
+    if (options_.path().empty()) {
+      throw Error(ErrorCode::InvalidArgument, "csv_logger needs a file path");
+    }
+  }
+
+  void on_fit_begin(Context&) override {
+    // The file is written at the first epoch end: by then a restore (auto_resume runs after
+    // this callback's on_fit_begin) has said how much of it to keep.
+    bytes_ = 0;
+    rows_ = 0;
+    restored_ = false;
+    started_ = false;
+  }
+
+  void on_epoch_end(Context& ctx) override {
+    namespace fs = std::filesystem;
+    const std::string& path = options_.path();
+    if (!started_) {
+      ensure_directory(*ctx.env, parent_path(path));
+      if (restored_) {
+        std::error_code ec;
+        auto size = fs::file_size(path, ec);
+        if (ec || size < bytes_) {
+          throw Error(ErrorCode::NotFound,
+                      fmt::format("csv_logger: {} holds fewer bytes than the {} of the "
+                                  "checkpoint's {} rows: it was changed or removed since",
+                                  path, bytes_, rows_));
+        }
+        fs::resize_file(path, bytes_);  // rows of epochs the resumed fit repeats go
+      } else {
+        std::ofstream(path, std::ios::binary | std::ios::trunc) << header(ctx);
+        bytes_ = header(ctx).size();
+      }
+      started_ = true;
+    }
+    std::string rows;
+    for (const std::string& set : sets(ctx)) {
+      rows += fmt::format("{},{}", ctx.epoch, set);
+      for (const std::string& metric : metric_names(ctx)) {
+        auto it = ctx.metrics.find(set + "_" + metric);
+        rows += it == ctx.metrics.end() ? std::string(",") : fmt::format(",{}", it->second);
+      }
+      rows += "\n";
+      ++rows_;
+    }
+    std::ofstream out(path, std::ios::binary | std::ios::app);
+    out << rows;
+    out.flush();
+    if (!out) {
+      throw Error(ErrorCode::IOError, fmt::format("csv_logger: cannot write to {}", path));
+    }
+    bytes_ += rows.size();
+  }
+
+  StateDict state_dict() const override {
+    StateDict s;
+    s.set("bytes", bytes_);
+    s.set("rows", rows_);
+    return s;
+  }
+  void load_state_dict(const StateDict& s) override {
+    bytes_ = s.get<std::uint64_t>("bytes");
+    rows_ = s.get<std::uint64_t>("rows");
+    restored_ = true;
+  }
+
+ private:
+  // "train", then "valid" when the fit records it.
+  static std::vector<std::string> sets(const Context& ctx) {
+    std::vector<std::string> out;
+    for (const std::string& m : ctx.monitors) {
+      std::string set = m.substr(0, m.find('_'));
+      if (std::find(out.begin(), out.end(), set) == out.end()) out.push_back(set);
+    }
+    return out;
+  }
+  // loss, then each metric, in the order the fit records them.
+  static std::vector<std::string> metric_names(const Context& ctx) {
+    std::vector<std::string> out;
+    for (const std::string& m : ctx.monitors) {
+      std::string metric = m.substr(m.find('_') + 1);
+      if (std::find(out.begin(), out.end(), metric) == out.end()) out.push_back(metric);
+    }
+    return out;
+  }
+  static std::string header(const Context& ctx) {
+    return fmt::format("epoch,set,{}\n", fmt::join(metric_names(ctx), ","));
+  }
+
+  CsvLoggerOptions options_;
+  std::uint64_t bytes_ = 0;  // of the file, as of the last epoch end
+  std::uint64_t rows_ = 0;
+  bool restored_ = false;
+  bool started_ = false;
+};
+
 class EarlyStopping final : public Callback {
  public:
   explicit EarlyStopping(EarlyStoppingOptions options)
@@ -338,6 +439,7 @@ CallbackPtr ModelCheckpointOptions::build() const {
 CallbackPtr ResumeFromCheckpointOptions::build() const {
   return std::make_shared<ResumeFromCheckpoint>(*this);
 }
+CallbackPtr CsvLoggerOptions::build() const { return std::make_shared<CsvLogger>(*this); }
 CallbackPtr EarlyStoppingOptions::build() const { return std::make_shared<EarlyStopping>(*this); }
 CallbackPtr LRSchedulerOptions::build() const {
   return std::make_shared<LRSchedulerCallback>(*this);
