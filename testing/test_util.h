@@ -66,6 +66,9 @@ std::string read_bytes(const std::string& path);
 void write_bytes(const std::string& path, const std::string& bytes);
 // Flips bit `bit` of byte `offset` in place.
 void flip_bit(const std::string& path, std::uint64_t offset, int bit);
+// Rewrites a directory checkpoint's manifest.json as a newer torchpoint would write it: format
+// version 9.x, resealed with a valid manifest checksum. Throws if it is not a manifest.
+void make_manifest_newer(const std::string& manifest_path);
 void truncate_to(const std::string& path, std::uint64_t size);
 std::uint64_t file_size(const std::string& path);
 // Names in `dir`, sorted.

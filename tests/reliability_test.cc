@@ -20,8 +20,6 @@
 #include <optional>
 #include <random>
 
-#include "format/checksum.h"
-#include "format/manifest.h"
 #include "io/filename.h"
 #include "io/posix_error.h"
 #include "testing/fault_env.h"
@@ -783,19 +781,6 @@ void make_socket(const std::string& path) {
   ::close(fd);  // the socket file stays
 }
 
-void make_newer_version(const std::string& manifest) {
-  std::string bytes = testing::read_bytes(manifest);
-  const std::string version = "\"format_version\": \"1.";
-  std::size_t at = bytes.find(version);
-  ASSERT_NE(at, std::string::npos);
-  bytes[at + version.size() - 2] = '9';
-  const std::string key = fmt::format("\"{}\": \"", kManifestChecksumKey);
-  std::size_t digits = bytes.rfind(key) + key.size();
-  bytes.replace(digits, 16, std::string(16, '0'));
-  bytes.replace(digits, 16, checksum_hex(xxh3(bytes.data(), bytes.size())));
-  testing::write_bytes(manifest, bytes);
-}
-
 // Makes `file` hostile; an Env-level kind installs its fault in `env` instead.
 void make_hostile(Hostile h, const std::string& file, const std::string& outside, FaultEnv& env) {
   const std::string pristine = testing::read_bytes(file);
@@ -829,7 +814,7 @@ void make_hostile(Hostile h, const std::string& file, const std::string& outside
       return;
     }
     case Hostile::NewerVersion:
-      make_newer_version(file);
+      testing::make_manifest_newer(file);
       return;
     case Hostile::BitFlip:
       testing::flip_bit(file, testing::file_size(file) - 20, 3);

@@ -323,7 +323,7 @@ class Accelerator {
   void watch(torch::optim::Optimizer& optimizer);
   // Throws when scaled gradients from backward() were not consumed by optimizer_step(): at
   // save_state(), or at a backward() that finds them cleared (optimizer.step() then zero_grad()).
-  void check_no_step_on_scaled_gradients(const char* where);
+  void check_no_step_on_scaled_gradients(bool saving);
   // Warns once on stderr when backward passes ran outside backward(), which step() does not
   // count.
   void warn_about_uncounted_backwards();

@@ -85,6 +85,14 @@ ContainerHeader parse_container_header(std::string_view prefix, std::uint64_t fi
 Container load_container(Env& env, const std::string& path, std::uint64_t* header_checksum,
                          bool allow_foreign = false, bool* verified = nullptr);
 
+// Bytes read at a time by the readers that stream a file's data (verify, extra files).
+inline constexpr std::size_t kReadBufferSize = std::size_t{4} << 20;
+
+// XXH3 of `size` bytes of `file` at `offset`, read in pieces through `buffer` (one read when
+// it is large enough). Throws Corruption when the file ends first (truncated while read).
+std::uint64_t checksum_range(File& file, std::uint64_t offset, std::uint64_t size,
+                             std::vector<std::uint8_t>& buffer);
+
 // Reads and parses the header of an open file.
 ContainerHeader read_container_header(File& file, const std::string& path, Problems& problems,
                                       bool allow_foreign = false);

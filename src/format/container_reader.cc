@@ -387,32 +387,12 @@ void check_size_unchanged(File& file, const ContainerHeader& header, const std::
   }
 }
 
-// The checksum of `size` bytes of `file` at `offset`, read in bounded pieces through `buffer`.
-// Throws Corruption when the file ends first (it was truncated while being read).
-std::uint64_t checksum_range(File& file, std::uint64_t offset, std::uint64_t size,
-                             std::vector<std::uint8_t>& buffer) {
-  if (size <= buffer.size()) {
-    file.read_exact(buffer.data(), size, offset);
-    return xxh3(buffer.data(), size);
-  }
-  Xxh3Stream stream;
-  while (size > 0) {
-    std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(size, buffer.size()));
-    file.read_exact(buffer.data(), n, offset);
-    stream.update(buffer.data(), n);
-    offset += n;
-    size -= n;
-  }
-  return stream.digest();
-}
-
 // Reads every tensor's bytes with positioned reads (never through a mapping, so a file
 // truncated meanwhile is an error, not SIGBUS) and reports each checksum mismatch.
 void check_data(File& file, const ContainerHeader& header, const std::string& path,
                 Problems& problems) {
-  constexpr std::size_t kBufferSize = std::size_t{4} << 20;
   std::vector<std::uint8_t> buffer(
-      static_cast<std::size_t>(std::min<std::uint64_t>(kBufferSize, expected_size(header))));
+      static_cast<std::size_t>(std::min<std::uint64_t>(kReadBufferSize, expected_size(header))));
   for (const TensorEntry& e : header.entries) {
     std::uint64_t actual =
         checksum_range(file, header.data_start + e.begin, e.end - e.begin, buffer);
@@ -435,6 +415,23 @@ ContainerHeader open_container(Env& env, const std::string& path, bool allow_for
 }
 
 }  // namespace
+
+std::uint64_t checksum_range(File& file, std::uint64_t offset, std::uint64_t size,
+                             std::vector<std::uint8_t>& buffer) {
+  if (size <= buffer.size()) {
+    file.read_exact(buffer.data(), size, offset);
+    return xxh3(buffer.data(), size);
+  }
+  Xxh3Stream stream;
+  while (size > 0) {
+    std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(size, buffer.size()));
+    file.read_exact(buffer.data(), n, offset);
+    stream.update(buffer.data(), n);
+    offset += n;
+    size -= n;
+  }
+  return stream.digest();
+}
 
 Container load_file(const std::string& path, Env& env) {
   return load_container(env, path, nullptr);

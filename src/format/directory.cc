@@ -75,20 +75,11 @@ void save_file(const std::string& path, const Container& contents, Env& env) {
 
 namespace {
 
-// XXH3 of the whole file at `path`, read in bounded pieces; its size in `size`.
-std::uint64_t file_checksum(Env& env, const std::string& path, std::uint64_t* size) {
-  std::unique_ptr<File> file = env.open(path, OpenMode::Read);
-  *size = file->size();
+// XXH3 of the whole of `file`, of `size` bytes.
+std::uint64_t whole_file_checksum(File& file, std::uint64_t size) {
   std::vector<std::uint8_t> buffer(
-      static_cast<std::size_t>(std::min<std::uint64_t>(*size, 4u << 20)));
-  Xxh3Stream stream;
-  for (std::uint64_t at = 0; at < *size;) {
-    std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(*size - at, buffer.size()));
-    file->read_exact(buffer.data(), n, at);
-    stream.update(buffer.data(), n);
-    at += n;
-  }
-  return stream.digest();
+      static_cast<std::size_t>(std::min<std::uint64_t>(size, kReadBufferSize)));
+  return checksum_range(file, 0, size, buffer);
 }
 
 // The files a save hook wrote into `dir`: each made durable and checksummed.
@@ -117,50 +108,16 @@ std::vector<ManifestExtraFile> collect_extra_files(Env& env, const std::string& 
                               : info.is_directory ? "a directory"
                                                   : "not a regular file"));
     }
-    {
-      std::unique_ptr<File> file = env.open(file_path, OpenMode::Read);
-      file->sync();  // the hook may not have: the commit must not publish unsynced bytes
-      file->close();
-    }
+    std::unique_ptr<File> file = env.open(file_path, OpenMode::Read);
+    file->sync();  // the hook may not have: the commit must not publish unsynced bytes
     ManifestExtraFile extra;
     extra.name = name;
-    extra.checksum = file_checksum(env, file_path, &extra.size);
+    extra.size = file->size();
+    extra.checksum = whole_file_checksum(*file, extra.size);
+    file->close();
     out.push_back(std::move(extra));
   }
   return out;
-}
-
-// Checks one extra file against the manifest; `report` collects, or throws when null.
-void check_extra_file(Env& env, const std::string& checkpoint, const ManifestExtraFile& f,
-                      VerifyReport* report) {
-  std::string file_path = join_path(checkpoint, f.name);
-  auto fail = [&](std::string why, ErrorCode code) {
-    if (report == nullptr) throw Error(code, why);
-    report->add(std::move(why), code);
-  };
-  try {
-    FileInfo info = env.stat(file_path);
-    if (info.is_symlink) {
-      return fail(fmt::format("{} is a symbolic link; the files of checkpoint {} are never "
-                              "links, so it is not followed: replace it with the file itself",
-                              file_path, checkpoint),
-                  ErrorCode::InvalidArgument);
-    }
-    if (!info.exists) {
-      return fail(fmt::format("{}: listed in the manifest but missing", file_path),
-                  ErrorCode::Corruption);
-    }
-    std::uint64_t size = 0;
-    std::uint64_t sum = file_checksum(env, file_path, &size);
-    if (size != f.size || sum != f.checksum) {
-      fail(fmt::format("{} fails its checksum ({} bytes, XXH3 {}; the manifest says {} bytes, "
-                       "{}): it was changed after the checkpoint was saved",
-                       file_path, size, checksum_hex(sum), f.size, checksum_hex(f.checksum)),
-           ErrorCode::Corruption);
-    }
-  } catch (const Error& e) {
-    fail(e.what(), e.code());
-  }
 }
 
 }  // namespace
@@ -217,6 +174,26 @@ void save_directory(const std::string& path, const std::vector<Component>& compo
               fmt::format("{} is a symbolic link; the files of checkpoint {} are never links, "
                           "so it is not followed: replace it with the file itself",
                           file_path, checkpoint));
+}
+
+// Checks a file a save hook wrote against the manifest; throws what is wrong with it.
+static void check_extra_file(Env& env, const std::string& checkpoint, const ManifestExtraFile& f) {
+  std::string file_path = join_path(checkpoint, f.name);
+  FileInfo info = env.stat(file_path);
+  if (info.is_symlink) refuse_link(file_path, checkpoint);
+  if (!info.exists) {
+    throw Error(ErrorCode::Corruption,
+                fmt::format("{}: listed in the manifest but missing", file_path));
+  }
+  std::unique_ptr<File> file = env.open(file_path, OpenMode::Read);
+  std::uint64_t size = file->size();
+  std::uint64_t sum = whole_file_checksum(*file, size);
+  if (size != f.size || sum != f.checksum) {
+    throw Error(ErrorCode::Corruption,
+                fmt::format("{} fails its checksum ({} bytes, XXH3 {}; the manifest says {} "
+                            "bytes, {}): it was changed after the checkpoint was saved",
+                            file_path, size, checksum_hex(sum), f.size, checksum_hex(f.checksum)));
+  }
 }
 
 static Manifest load_manifest(Env& env, const std::string& path, Problems& problems) {
@@ -277,7 +254,7 @@ DirectoryCheckpoint load_directory(const std::string& path, Env& env) {
     out.components.push_back({f.component, std::move(contents)});
   }
   for (const ManifestExtraFile& f : manifest.extra_files) {
-    check_extra_file(env, path, f, nullptr);
+    check_extra_file(env, path, f);
     out.extra_files.push_back(f.name);
   }
   return out;
@@ -349,7 +326,11 @@ VerifyReport verify_directory(const std::string& path, Env& env) {
   }
   for (const ManifestExtraFile& f : manifest.extra_files) {
     listed.insert(f.name);
-    check_extra_file(env, path, f, &report);
+    try {
+      check_extra_file(env, path, f);
+    } catch (const Error& e) {
+      report.add(e.what(), e.code());
+    }
   }
   if (manifest_damaged) return report;
   try {

@@ -9,7 +9,6 @@
 #include <cstdio>
 #include <limits>
 #include <map>
-#include <string_view>
 
 #include "compat/torch_compat.h"
 #include "io/atomic_commit.h"
@@ -122,16 +121,18 @@ void Accelerator::watch(torch::optim::Optimizer& optimizer) {
   }
 }
 
-void Accelerator::check_no_step_on_scaled_gradients(const char* where) {
+void Accelerator::check_no_step_on_scaled_gradients(bool saving) {
   if (!scaled_pending_) return;
-  const bool saving = std::string_view(where) == "save_state()";
-  bool cleared = false;
-  for (const Watched& w : hooked_) {
-    cleared = cleared || !w.param.grad().defined() || (w.had_gradient && !has_gradient(w.param));
+  if (!saving) {
+    bool cleared = false;
+    for (const Watched& w : hooked_) {
+      cleared = cleared || !w.param.grad().defined() || (w.had_gradient && !has_gradient(w.param));
+    }
+    if (!cleared) return;  // accumulating: more backward() before the step
   }
-  // Accumulating: more backward() before the step. Otherwise the parameters may hold a step
-  // taken on scaled gradients: every later save and backward() refuses too.
-  if (!saving && !cleared) return;
+  // The parameters may hold a step taken on scaled gradients: every later save and backward()
+  // refuses too.
+  const char* where = saving ? "save_state()" : "backward()";
   throw Error(ErrorCode::InvalidArgument,
               fmt::format("{}: the gradients of the last backward() are multiplied by the "
                           "GradScaler's scale and no optimizer_step() consumed them{}. With a "
@@ -194,7 +195,7 @@ std::vector<std::string> Accelerator::component_names() const {
 }
 
 void Accelerator::backward(const at::Tensor& loss) {
-  check_no_step_on_scaled_gradients("backward()");
+  check_no_step_on_scaled_gradients(/*saving=*/false);
   warn_about_uncounted_backwards();
   struct Inside {  // marks the pass as ours for the counting hooks, also when it throws
     BackwardCounts* counts;
@@ -259,7 +260,7 @@ std::string Accelerator::save_state(const std::string& output_dir, bool overwrit
                 "save_state() needs an output directory: pass one, or use "
                 "ProjectConfiguration().project_dir(...).automatic_checkpoint_naming(true)");
   }
-  check_no_step_on_scaled_gradients("save_state()");
+  check_no_step_on_scaled_gradients(/*saving=*/true);
   warn_about_uncounted_backwards();
   const std::string path =
       automatic ? join_path(checkpoints_dir(), checkpoint_name(config_.iteration())) : output_dir;

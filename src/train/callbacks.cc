@@ -285,8 +285,9 @@ class CsvLogger final : public Callback {
         }
         fs::resize_file(path, bytes_);  // rows of epochs the resumed fit repeats go
       } else {
-        std::ofstream(path, std::ios::binary | std::ios::trunc) << header(ctx);
-        bytes_ = header(ctx).size();
+        const std::string first_line = header(ctx);
+        std::ofstream(path, std::ios::binary | std::ios::trunc) << first_line;
+        bytes_ = first_line.size();
       }
       started_ = true;
     }
