@@ -277,6 +277,11 @@ TEST_F(FromPython, HostileFilesAreClearErrors) {
   testing::expect_error(
       [&] { load_torch_state_dict(path("past_end.pt")); }, ErrorCode::Corruption,
       {path("past_end.pt"), "storage offset 250", "past the end of its storage of 10 elements"});
+  // 2^62 float32 elements are 2^64 bytes: the message says so instead of a wrapped-around size.
+  Error huge = testing::expect_error(
+      [&] { load_torch_state_dict(path("huge_storage.pt")); }, ErrorCode::Corruption,
+      {path("huge_storage.pt"), "4611686018427387904 Float elements", "needs more than 2^64"});
+  EXPECT_EQ(std::string(huge.what()).find("needs 0"), std::string::npos) << huge.what();
   testing::expect_error([&] { load_torch_state_dict(path("unknown_global.pt")); },
                         ErrorCode::Unsupported, {path("unknown_global.pt"), "posix.system"});
   testing::expect_error([&] { load_torch_state_dict(path("not_tensor.pt")); },

@@ -28,6 +28,8 @@ is there):
 OUT_DIR/compressed.pt      bn.pt's records, deflated
 OUT_DIR/bad_opcode.pt      data.pkl with byte 0xff where its first GLOBAL was
 OUT_DIR/past_end.pt        0.bias's storage offset 5 raised to 250 (the storage has 10 elements)
+OUT_DIR/huge_storage.pt    torch.save({"w": ones(2)}) whose storage claims 2^62 float32 elements
+                           (2^64 bytes: more than a 64-bit size holds)
 OUT_DIR/unknown_global.pt  torch.save({"w": tensor, "run": os.system})
 OUT_DIR/not_tensor.pt      torch.save({"w": tensor, "step": 3})
 OUT_DIR/a_list.pt          torch.save([tensor])
@@ -216,6 +218,13 @@ def main():
     rezip(bn_path, os.path.join(out, "past_end.pt"),
           patch=lambda d: replace_once(d, b"QK\x05", b"QK\xfa"))
     w = torch.ones(2)
+    two = os.path.join(out, "two.pt")
+    torch.save({"w": w}, two)
+    # The storage's element count (BININT1 2, before TUPLE, BINPUT 7, BINPERSID) becomes a
+    # LONG1 of 2^62.
+    rezip(two, os.path.join(out, "huge_storage.pt"),
+          patch=lambda d: replace_once(d, b"K\x02tq\x07Q",
+                                       b"\x8a\x08" + (2 ** 62).to_bytes(8, "little") + b"tq\x07Q"))
     torch.save({"w": w, "run": os.system}, os.path.join(out, "unknown_global.pt"))
     torch.save({"w": w, "step": 3}, os.path.join(out, "not_tensor.pt"))
     torch.save([w], os.path.join(out, "a_list.pt"))
