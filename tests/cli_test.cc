@@ -970,13 +970,21 @@ TEST(CliExport, TheTopLevelComponentIsSelectedWithAnEmptyName) {
 // ---------------------------------------------------------------------------------------------
 // plot
 
-int count(const std::string& text, const std::string& what) {
-  int n = 0;
-  for (std::size_t i = text.find(what); i != std::string::npos; i = text.find(what, i + 1)) ++n;
-  return n;
+// tests/python/plot_check.py on a picture the tool wrote: for a PNG, its size, title and tick
+// labels drawn and `colors` colours of sets; for an SVG, the lines listing its metadata.
+testing::CommandOutput plot_check(const std::vector<std::string>& args) {
+  testing::CommandOutput check = testing::run_python_script("plot_check.py", args);
+  EXPECT_EQ(check.status, 0) << check.output;
+  return check;
 }
 
-TEST(CliPlot, DrawsOneCurvePerSeriesWithALegend) {
+// The last bytes of a whole PDF file, trailing white space aside, are "%%EOF".
+bool ends_with_eof(std::string pdf) {
+  pdf.erase(pdf.find_last_not_of(" \r\n") + 1);
+  return pdf.ends_with("%%EOF");
+}
+
+TEST(CliPlot, DrawsAPanelPerMetricInTheFormatTheExtensionNames) {
   Project p;
   std::string svg_path = p.tmp / "curves.svg";
   Result run = tp({"plot", p.ckpt(2), svg_path});
@@ -984,20 +992,26 @@ TEST(CliPlot, DrawsOneCurvePerSeriesWithALegend) {
   EXPECT_EQ(run.out, "wrote 3 series to " + svg_path + "\n");
   std::string svg = slurp(svg_path);
   EXPECT_EQ(svg.rfind("<?xml", 0), 0u);
-  EXPECT_EQ(count(svg, "<polyline"), 3);
-  EXPECT_EQ(count(svg, "<circle"), 9);
-  for (const char* label : {">train loss<", ">valid loss<", ">train acc<", ">epoch<"}) {
-    EXPECT_NE(svg.find(label), std::string::npos) << label;
-  }
-  TempDir scratch;
-  Result xml = run_command(
-      "/usr/bin/python3 -c 'import sys, xml.etree.ElementTree as E; "
-      "r = E.parse(sys.argv[1]).getroot(); print(r.tag)' " +
-          quote(svg_path),
-      scratch / "stderr");
-  EXPECT_EQ(xml.out, "{http://www.w3.org/2000/svg}svg\n") << xml.err;
+  // Two panels (loss, acc) side by side, two sets: 800 x (64 + 300) px.
+  EXPECT_EQ(plot_check({svg_path}).output,
+            "svg 800x364 panels=2 columns=2 title='checkpoint_2'\n"
+            "series set='train' metric='loss' values=3 points=3 runs=1\n"
+            "series set='valid' metric='loss' values=3 points=3 runs=1\n"
+            "series set='train' metric='acc' values=3 points=3 runs=1\n");
 
-  // A NaN breaks the curve; a file checkpoint's records are found too.
+  std::string png_path = p.tmp / "curves.png";
+  ASSERT_EQ(tp({"plot", p.ckpt(2), png_path}).status, 0);
+  EXPECT_EQ(slurp(png_path).rfind("\x89PNG\r\n\x1a\n", 0), 0u);
+  EXPECT_EQ(plot_check({png_path, "800", "364", "--colors", "2"}).output.rfind("ok: 800x364", 0),
+            0u);
+  std::string pdf_path = p.tmp / "curves.pdf";
+  ASSERT_EQ(tp({"plot", p.ckpt(2), pdf_path}).status, 0);
+  std::string pdf = slurp(pdf_path);
+  EXPECT_EQ(pdf.rfind("%PDF-", 0), 0u);
+  EXPECT_TRUE(ends_with_eof(pdf));
+
+  // A NaN breaks the curve: 4 values, 3 points in 2 runs. A file checkpoint's records are found
+  // too, and names are XML-escaped in the SVG.
   StateDict all;
   MetricRecords r;
   for (double v : {1.0, kNaN, 0.5, 0.4}) r.record("train", "loss<&>", v);
@@ -1005,9 +1019,15 @@ TEST(CliPlot, DrawsOneCurvePerSeriesWithALegend) {
   save_file(p.tmp / "nan.ckpt", all.to_container());
   ASSERT_EQ(tp({"plot", p.tmp / "nan.ckpt", svg_path}).status, 0);
   svg = slurp(svg_path);
-  EXPECT_EQ(count(svg, "<polyline"), 2);
-  EXPECT_EQ(count(svg, "<circle"), 3);
-  EXPECT_NE(svg.find(">train loss&lt;&amp;&gt;<"), std::string::npos);
+  EXPECT_NE(svg.find("data-set=\"train\" data-metric=\"loss&lt;&amp;&gt;\" values=\"4\" "
+                     "points=\"3\" runs=\"2\""),
+            std::string::npos)
+      << svg.substr(0, 1000);
+  EXPECT_EQ(plot_check({svg_path}).output,
+            "svg 800x364 panels=1 columns=1 title='nan.ckpt'\n"
+            "series set='train' metric='loss<&>' values=4 points=3 runs=2\n");
+  ASSERT_EQ(tp({"plot", p.tmp / "nan.ckpt", png_path}).status, 0);
+  plot_check({png_path, "800", "364", "--colors", "1"});
 }
 
 TEST(CliPlot, Errors) {
@@ -1021,6 +1041,11 @@ TEST(CliPlot, Errors) {
   Result corrupt_run = tp({"plot", p.ckpt(10), tmp / "x.svg"});
   EXPECT_EQ(corrupt_run.status, 2);
   EXPECT_NE(corrupt_run.err.find(p.ckpt(10)), std::string::npos);
+  Result jpg = tp({"plot", p.ckpt(2), tmp / "x.jpg"});
+  EXPECT_EQ(jpg.status, 2);
+  EXPECT_NE(jpg.err.find(tmp / "x.jpg"), std::string::npos) << jpg.err;
+  EXPECT_NE(jpg.err.find(".png, .svg or .pdf"), std::string::npos) << jpg.err;
+  EXPECT_FALSE(exists(tmp / "x.jpg"));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1155,7 +1180,11 @@ TEST(CliLearner, LsShowPlotAndPruneLearnerCheckpoints) {
   EXPECT_NE(squeeze(show.out).find("records train loss 3"), std::string::npos) << show.out;
   Result plot = tp({"plot", tmp / "ck/" + files[2], tmp / "p.svg"});
   ASSERT_EQ(plot.status, 0) << plot.err;
-  EXPECT_NE(slurp(tmp / "p.svg").find("data-metric=\"loss\""), std::string::npos);
+  EXPECT_NE(slurp(tmp / "p.svg").find("data-set=\"train\" data-metric=\"loss\" values=\"3\""),
+            std::string::npos);
+  Result png = tp({"plot", tmp / "ck/" + files[2], tmp / "p.png"});
+  ASSERT_EQ(png.status, 0) << png.err;
+  EXPECT_EQ(slurp(tmp / "p.png").rfind("\x89PNG\r\n\x1a\n", 0), 0u);
 
   std::size_t best = std::min_element(losses.begin(), losses.end()) - losses.begin();
   Result prune = tp({"prune", tmp / "ck", "--keep-last", "1", "--keep-best", "train_loss"});

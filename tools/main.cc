@@ -146,13 +146,14 @@ int main(int argc, char** argv) {
 
   tp::PlotOptions plot;
   CLI::App* plot_cmd =
-      app.add_subcommand("plot", "Draw the metric curves of a checkpoint's records as SVG");
+      app.add_subcommand("plot", "Draw the metric curves of a checkpoint's records");
   plot_cmd->add_option("path", plot.path, "A directory checkpoint or a checkpoint file")
       ->required();
-  plot_cmd->add_option("output", plot.output, "The .svg file to write")->required();
+  plot_cmd->add_option("output", plot.output, "The .png, .svg or .pdf file to write")->required();
   plot_cmd->footer(
-      wrap("Reads MetricRecords' state from a \"records\" component (or \"records.\" keys); x is "
-           "the epoch (1, 2, ...), one line per (set, metric)."));
+      wrap("Reads MetricRecords' state from a \"records\" component (or \"records.\" keys) and "
+           "draws one panel per metric: x is the epoch (1, 2, ...), one line per set. The "
+           "output's extension picks the format: .png, .svg or .pdf."));
 
   tp::PruneOptions prune;
   CLI::App* prune_cmd = app.add_subcommand(

@@ -1,4 +1,5 @@
-// torchpoint plot PATH OUT.svg: the metric curves of a checkpoint's records.
+// torchpoint plot PATH OUT: the metric curves of a checkpoint's records, as OUT's extension
+// (.png, .svg or .pdf) asks.
 #include <fmt/format.h>
 
 #include "checkpoint_view.h"
@@ -11,6 +12,8 @@
 namespace torchpoint::tool {
 
 int run_plot(const PlotOptions& options, std::ostream& out) {
+  // The format first: a wrong extension is reported before the checkpoint is read.
+  const PlotFormat format = plot_format_for(options.output);
   CheckpointView view = open_checkpoint(options.path);
   std::vector<std::string> problems;
   std::vector<RecordSeries> series = metric_records(view, &problems);
@@ -23,8 +26,7 @@ int run_plot(const PlotOptions& options, std::ostream& out) {
   }
   std::vector<PlotSeries> curves;
   for (const RecordSeries& s : series) curves.push_back({s.set, s.metric, s.values});
-  std::string svg = render_records_svg(curves, base_name(view.path));
-  write_file_atomically(options.output, svg);
+  write_file_atomically(options.output, render_records(curves, base_name(view.path), format));
   out << fmt::format("wrote {} series to {}\n", series.size(), options.output);
   return kExitOk;
 }
