@@ -15,7 +15,8 @@ fuzz_seconds=${FUZZ_SECONDS:-60}
 # llvm-symbolizer (readable reports) in llvm-14.
 packages=(
   clang libclang-rt-14-dev llvm-14 cmake ninja-build python3 python3-venv
-  libtorch-dev nlohmann-json3-dev libxxhash-dev libfmt-dev libcli11-dev googletest libgtest-dev
+  libtorch-dev nlohmann-json3-dev libxxhash-dev libfmt-dev libcli11-dev libcairo2-dev pkgconf libboost-dev
+  googletest libgtest-dev
 )
 scripts/ensure_packages.sh sanitize --no-install-recommends "${packages[@]}"
 # The tests' judges (torch 2.13, safetensors) run from the project venv whatever LibTorch the

@@ -122,6 +122,28 @@ std::string python() {
   return "'" + path + "'";
 }
 
+CommandOutput run_python_script(const std::string& script, const std::vector<std::string>& args) {
+  const char* src = std::getenv("TORCHPOINT_SOURCE_DIR");
+  if (src == nullptr) throw std::runtime_error("TORCHPOINT_SOURCE_DIR is set by CTest");
+  auto quote = [](const std::string& word) {
+    std::string out = "'";
+    for (char c : word) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+    return out + "'";
+  };
+  std::string command = python() + " " + quote(std::string(src) + "/tests/python/" + script);
+  for (const std::string& arg : args) command += " " + quote(arg);
+  command += " 2>&1";
+  FILE* pipe = ::popen(command.c_str(), "r");
+  if (pipe == nullptr) throw std::runtime_error("cannot run " + command);
+  CommandOutput result;
+  char buffer[4096];
+  while (std::size_t n = std::fread(buffer, 1, sizeof buffer, pipe))
+    result.output.append(buffer, n);
+  const int status = ::pclose(pipe);
+  result.status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return result;
+}
+
 void expect_safetensors_reads(const std::vector<std::string>& files, const std::string& scratch) {
   const std::string blob_path = scratch + "/judge.bin";
   std::ofstream blob(blob_path, std::ios::binary);

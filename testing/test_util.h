@@ -62,6 +62,16 @@ std::string python();
 // the expectation files.
 void expect_safetensors_reads(const std::vector<std::string>& files, const std::string& scratch);
 
+// What a command printed (stdout and stderr together) and its exit status.
+struct CommandOutput {
+  int status = -1;  // the exit code; -1 when it did not exit normally
+  std::string output;
+};
+
+// Runs tests/python/SCRIPT of the source tree (TORCHPOINT_SOURCE_DIR, set by CTest) with the
+// judges' Python and `args`, each quoted as one shell word.
+CommandOutput run_python_script(const std::string& script, const std::vector<std::string>& args);
+
 std::string read_bytes(const std::string& path);
 void write_bytes(const std::string& path, const std::string& bytes);
 // Flips bit `bit` of byte `offset` in place.

@@ -4,6 +4,7 @@
 
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include "testing/test_util.h"
@@ -12,6 +13,7 @@
 #include "torchpoint/optimizer_state.h"
 #include "torchpoint/records_plot.h"
 #include "torchpoint/tensor_file.h"
+#include "train/progress.h"
 
 namespace torchpoint {
 namespace {
@@ -318,6 +320,128 @@ TEST(Learner, ModelCheckpointTemplateTakesLuzsMonitorField) {
     std::string expected = dir / fmt::format("checkpoints/epoch-{:02d}/model-{:.2f}.pt", epoch,
                                              losses[static_cast<std::size_t>(epoch - 1)]);
     EXPECT_TRUE(verify(expected).ok()) << expected;
+  }
+}
+
+// luz_load_checkpoint(results, path): the weights go into the model the fit returned.
+TEST(Learner, LoadCheckpointIntoWhatFitReturned) {
+  auto data = testing::seed_data();
+  TempDir dir;
+  auto learner = testing::linear_learner();
+  FitResult results = learner->fit(
+      {data.x, data.y},
+      quiet(3).callbacks({callbacks::model_checkpoint(dir / "ck/").monitor("train_loss")}));
+  ASSERT_EQ(results.model, learner->model_ptr()) << "a plain Learner trains its own model";
+  std::string first = dir / "ck" + "/" + testing::list_sorted(dir / "ck").front();
+  StateDict saved = read_state(first);
+  load_checkpoint(results, first);
+  EXPECT_TRUE(testing::bitwise_equal(results.model->named_parameters()["weight"],
+                                     saved.tensor("model.weight")));
+  EXPECT_TRUE(testing::bitwise_equal(results.model->named_parameters()["bias"],
+                                     saved.tensor("model.bias")));
+
+  FitResult empty;
+  expect_error([&] { load_checkpoint(empty, first); }, ErrorCode::InvalidArgument,
+               {"holds no model", first});
+  expect_error([&] { load_checkpoint(results, dir / "missing.ckpt"); }, ErrorCode::NotFound,
+               {"missing.ckpt"});
+}
+
+// Calling fit again: a plain Learner goes on from its weights (a warm start); a Learner made
+// from a model_factory trains a new model each time, as luz's fit does, and each result keeps
+// its own model.
+TEST(Learner, FitAgainWarmStartsOrTrainsANewModelFromAFactory) {
+  auto data = testing::seed_data();
+  auto plain = testing::linear_learner();
+  FitResult p1 = plain->fit({data.x, data.y}, quiet(2).seed(11));
+  FitResult p2 = plain->fit({data.x, data.y}, quiet(2).seed(11));
+  EXPECT_EQ(p1.model, p2.model);
+  EXPECT_EQ(p2.records.values("train", "loss").size(), 2u) << "records start empty";
+  EXPECT_LT(p2.records.values("train", "loss")[0], p1.records.values("train", "loss")[0])
+      << "the second fit starts from the trained weights";
+
+  auto make = [] { return torch::nn::Linear(10, 1); };
+  auto optimizer = make_optimizer<torch::optim::SGD>(torch::optim::SGDOptions(0.01));
+  torch::manual_seed(1);
+  Learner factory(model_factory(make), optimizer, torch::mse_loss);
+  FitResult f1 = factory.fit({data.x, data.y}, quiet(2).seed(11));
+  // The first fit trained the model the factory made first: the plain learner's first fit.
+  expect_same_records(f1.records, p1.records);
+  torch::manual_seed(1);  // the second model is made at the start of the fit, from this seed
+  FitResult f2 = factory.fit({data.x, data.y}, quiet(2).seed(11));
+  EXPECT_NE(f1.model, f2.model);
+  EXPECT_EQ(f2.model, factory.model_ptr());
+  expect_same_records(f2.records, f1.records);
+  EXPECT_TRUE(testing::bitwise_equal(f1.model->named_parameters()["weight"],
+                                     f2.model->named_parameters()["weight"]));
+  // The optimizer is new too, over the new model's parameters.
+  EXPECT_TRUE(factory.optimizer().param_groups()[0].params()[0].is_same(
+      f2.model->named_parameters()["weight"]));
+}
+
+// luz's guide with a module generator: the interrupted fit is rerun on the same Learner; the
+// new model auto_resume restores ends as the uninterrupted run's.
+TEST(Learner, ModelFactoryResumesTheGuidesFlow) {
+  auto data = testing::seed_data();
+  TempDir dir;
+  auto make = [] { return torch::nn::Linear(10, 1); };
+  auto optimizer = make_optimizer<torch::optim::SGD>(torch::optim::SGDOptions(0.01));
+  torch::manual_seed(1);
+  Learner reference(model_factory(make), optimizer, torch::mse_loss);
+  FitResult expected = reference.fit({data.x, data.y}, quiet(6).seed(5));
+
+  torch::manual_seed(1);
+  Learner learner(model_factory(make), optimizer, torch::mse_loss);
+  auto interrupt = std::make_shared<Interrupt>(4);
+  auto options =
+      quiet(6).seed(5).callbacks({callbacks::auto_resume(dir / "state.ckpt"), interrupt});
+  EXPECT_THROW(learner.fit({data.x, data.y}, options), CallbackError);
+  FitResult result = learner.fit({data.x, data.y}, options);
+  EXPECT_EQ(result.resumed_after_epoch, std::optional<std::int64_t>(3));
+  expect_same_records(result.records, expected.records);
+  expect_same_weights(learner, reference);
+}
+
+// A callback's state may hold children (one StateDict per epoch here, with a tensor and a
+// value each) and comes back whole after auto_resume.
+TEST(Learner, NestedCallbackStateSurvivesAResume) {
+  struct PerEpoch : Callback {
+    PerEpoch() : Callback("per_epoch") {}
+    StateDict epochs;
+    void on_epoch_end(Context& ctx) override {
+      StateDict child;
+      child.set("weight", ctx.model->named_parameters()["weight"].detach().clone());
+      child.set_double("loss", ctx.metrics.at("train_loss"));
+      StateDict inner;
+      inner.set("step", ctx.step);
+      child.set_child("at", inner);
+      epochs.set_child(fmt::format("epoch_{}", ctx.epoch), child);
+    }
+    StateDict state_dict() const override { return epochs; }
+    void load_state_dict(const StateDict& s) override { epochs = s.clone(); }
+  };
+  auto data = testing::seed_data();
+  TempDir dir;
+  auto whole = std::make_shared<PerEpoch>();
+  testing::linear_learner()->fit({data.x, data.y}, quiet(5).seed(3).callbacks({whole}));
+
+  auto first = std::make_shared<PerEpoch>();
+  auto options = [&](CallbackPtr cb, bool interrupt) {
+    std::vector<CallbackPtr> cbs = {callbacks::auto_resume(dir / "s.ckpt"), cb};
+    if (interrupt) cbs.push_back(std::make_shared<Interrupt>(3));
+    return quiet(5).seed(3).callbacks(cbs);
+  };
+  EXPECT_THROW(testing::linear_learner()->fit({data.x, data.y}, options(first, true)),
+               CallbackError);
+  auto resumed = std::make_shared<PerEpoch>();
+  testing::linear_learner()->fit({data.x, data.y}, options(resumed, false));
+  for (int epoch = 1; epoch <= 5; ++epoch) {
+    StateDict want = whole->epochs.child(fmt::format("epoch_{}", epoch));
+    StateDict got = resumed->epochs.child(fmt::format("epoch_{}", epoch));
+    EXPECT_TRUE(testing::bitwise_equal(got.tensor("weight"), want.tensor("weight"))) << epoch;
+    EXPECT_TRUE(same_bits(got.get_double("loss"), want.get_double("loss"))) << epoch;
+    EXPECT_EQ(got.child("at").get<std::int64_t>("step"),
+              want.child("at").get<std::int64_t>("step"));
   }
 }
 
@@ -714,6 +838,64 @@ TEST(Learner, ProgressIsPlainLinesOffATerminalAndNothingWhenQuiet) {
   EXPECT_TRUE(silent.str().empty());
 }
 
+// The bar takes the columns the terminal gives it and no more, with elapsed time, ETA and rate
+// beside the count and loss; too narrow a terminal loses the bar, never its last column.
+TEST(Learner, ProgressBarFitsTheTerminalAndShowsTimeAndRate) {
+  auto t0 = detail::Progress::Clock::now();
+  for (int width : {120, 80, 60, 40, 10}) {
+    detail::Progress progress(nullptr, true, width, [&] { return t0; });
+    std::string line = progress.bar_line("Epoch 3/10", 25, 100, 25, 5.0, 0.123456);
+    EXPECT_LE(line.size(), static_cast<std::size_t>(width - 1)) << width << ": " << line;
+    if (width >= 80) {
+      // A quarter of the bar: 10 of 40 columns at 120, 5 of the 22 left at 80.
+      EXPECT_NE(line.find(width == 120 ? " [==========>" : " [=====>"), std::string::npos) << line;
+      EXPECT_NE(line.find("] 25/100 0:05<0:15 5.00 batch/s loss: 0.1235"), std::string::npos)
+          << line;
+    }
+  }
+  detail::Progress wide(nullptr, true, 200, [&] { return t0; });
+  std::string full = wide.bar_line("Epoch 3/10", 100, 100, 100, 5.0, 0.5);
+  EXPECT_NE(full.find("[" + std::string(40, '=') + "]"), std::string::npos) << full;
+  // Slower than a batch a second: seconds per batch. Nothing timed yet: no rate, no ETA.
+  EXPECT_NE(wide.bar_line("v", 2, 10, 2, 5.0, 0.5).find("0:05<0:20 2.50 s/batch"),
+            std::string::npos);
+  EXPECT_NE(wide.bar_line("v", 0, 10, 0, 0.0, 0.5).find("0/10 0:00<? ? batch/s"),
+            std::string::npos);
+  // A resumed epoch times only its own batches: 30 of 100 were done before, 10 in 2 s here.
+  EXPECT_NE(wide.bar_line("e", 40, 100, 10, 2.0, 0.5).find("40/100 0:02<0:12 5.00 batch/s"),
+            std::string::npos);
+
+  // Drawn: a carriage return, the line, and erase-to-end-of-line, throttled to ten a second
+  // except for the last batch of a pass.
+  std::ostringstream out;
+  auto now = t0;
+  detail::Progress drawn(&out, true, 100, [&] { return now; });
+  drawn.epoch_begin(1, 2, 4);
+  now += std::chrono::milliseconds(500);
+  drawn.batch(1, 0.25);
+  drawn.batch(2, 0.25);  // same instant: skipped
+  drawn.batch(4, 0.2);   // the last: drawn
+  drawn.valid_begin(2);
+  now += std::chrono::seconds(1);
+  drawn.valid_batch(2, 0.3);
+  drawn.epoch_end({{"train_loss", 0.2}, {"valid_loss", 0.3}});
+  EXPECT_EQ(out.str(), "\r" + drawn.bar_line("Epoch 1/2", 1, 4, 1, 0.5, 0.25) + "\x1b[K" + "\r" +
+                           drawn.bar_line("Epoch 1/2", 4, 4, 4, 0.5, 0.2) + "\x1b[K" + "\r" +
+                           drawn.bar_line("Epoch 1/2 valid", 2, 2, 2, 1.0, 0.3) + "\x1b[K" +
+                           "\r\x1b[KEpoch 1/2 train_loss: 0.2000 valid_loss: 0.3000 (1.5 s)\n");
+}
+
+// A real terminal (a pseudo-terminal of 72 and 120 columns): the program finds its width
+// itself and draws training and validation bars that fit it.
+TEST(Learner, ProgressBarOnAPseudoTerminal) {
+  for (const char* columns : {"72", "120"}) {
+    auto run = testing::run_python_script("progress_pty.py", {PROGRESS_CHILD, columns});
+    EXPECT_EQ(run.status, 0) << run.output;
+    EXPECT_NE(run.output.find(std::string(columns) + " columns: "), std::string::npos)
+        << run.output;
+  }
+}
+
 TEST(Learner, ResultTableAndPlots) {
   auto data = testing::seed_data(64);
   TempDir dir;
@@ -725,39 +907,95 @@ TEST(Learner, ResultTableAndPlots) {
   EXPECT_NE(table.find(fmt::format("{:.6f}", result.records.values("valid", "loss")[2])),
             std::string::npos);
 
-  result.plot(dir / "curves.svg");
-  std::string svg = testing::read_bytes(dir / "curves.svg");
-  EXPECT_NE(svg.find("<svg"), std::string::npos);
-  EXPECT_NE(svg.find("data-set=\"valid\" data-metric=\"loss\""), std::string::npos);
-
+  // luz's plot(results) in the format the extension names. One panel (loss), two sets:
+  // 800 x (64 + 300) px. tests/python/plot_check.py decodes the PNG itself: the size, the
+  // title and tick labels drawn, a colour per set.
   result.plot(dir / "curves.png");
-  // Python's zlib and struct check the PNG's chunks, checksums and pixel data.
-  std::string script = fmt::format(
-      "import struct,zlib,sys\n"
-      "d=open('{}','rb').read()\n"
-      "assert d[:8]==b'\\x89PNG\\r\\n\\x1a\\n'\n"
-      "p=8;idat=b''\n"
-      "while p<len(d):\n"
-      "  n,=struct.unpack('>I',d[p:p+4]);t=d[p+4:p+8];b=d[p+8:p+8+n]\n"
-      "  c,=struct.unpack('>I',d[p+8+n:p+12+n]);assert zlib.crc32(t+b)==c,t\n"
-      "  if t==b'IHDR': w,h=struct.unpack('>II',b[:8])\n"
-      "  if t==b'IDAT': idat+=b\n"
-      "  p+=12+n\n"
-      "raw=zlib.decompress(idat);assert len(raw)==h*(w*3+1),len(raw)\n"
-      "assert len(set(raw[1:w*3*h:3]))>3\n"
-      "print(w,h)\n",
-      dir / "curves.png");
-  testing::write_bytes(dir / "check.py", script);
-  FILE* pipe = ::popen(("/usr/bin/python3 " + (dir / "check.py") + " 2>&1").c_str(), "r");
-  ASSERT_NE(pipe, nullptr);
-  char buffer[256] = {};
-  std::string output;
-  while (std::fgets(buffer, sizeof buffer, pipe)) output += buffer;
-  EXPECT_EQ(::pclose(pipe), 0) << output;
-  EXPECT_EQ(output, "760 440\n");
+  std::string png = testing::read_bytes(dir / "curves.png");
+  EXPECT_EQ(png.rfind("\x89PNG\r\n\x1a\n", 0), 0u);
+  EXPECT_LT(png.size(), 200'000u) << "a compressed PNG";
+  auto checked = testing::run_python_script("plot_check.py",
+                                            {dir / "curves.png", "800", "364", "--colors", "2"});
+  EXPECT_EQ(checked.status, 0) << checked.output;
+  EXPECT_EQ(checked.output.rfind("ok: 800x364 RGB", 0), 0u) << checked.output;
+
+  // The SVG parses as XML, and its metadata names the series (its text is glyph outlines).
+  result.plot(dir / "curves.svg");
+  EXPECT_NE(testing::read_bytes(dir / "curves.svg").find("data-set=\"valid\" data-metric=\"loss\""),
+            std::string::npos);
+  auto svg = testing::run_python_script("plot_check.py", {dir / "curves.svg"});
+  EXPECT_EQ(svg.status, 0) << svg.output;
+  EXPECT_EQ(svg.output,
+            "svg 800x364 panels=1 columns=1 title='metrics by epoch'\n"
+            "series set='train' metric='loss' values=3 points=3 runs=1\n"
+            "series set='valid' metric='loss' values=3 points=3 runs=1\n");
+
+  // The extension's case does not matter.
+  result.plot(dir / "curves.PDF");
+  std::string pdf = testing::read_bytes(dir / "curves.PDF");
+  EXPECT_EQ(pdf.rfind("%PDF-", 0), 0u);
+  pdf.erase(pdf.find_last_not_of(" \r\n") + 1);
+  EXPECT_TRUE(pdf.ends_with("%%EOF"))
+      << pdf.substr(pdf.size() - std::min<std::size_t>(pdf.size(), 40));
 
   expect_error([&] { result.plot(dir / "curves.jpg"); }, ErrorCode::InvalidArgument,
-               {".svg or .png"});
+               {dir / "curves.jpg", ".png, .svg or .pdf"});
+  EXPECT_FALSE(Env::posix().stat(dir / "curves.jpg").exists);
+}
+
+// Records of every awkward shape still draw labelled panels at the size records_plot.h states:
+// 800 px wide (1000 with three columns), 64 + 300 px per row of panels.
+TEST(RecordsPlot, AwkwardRecordsDrawLabelledPanels) {
+  constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  struct Case {
+    const char* name;
+    std::vector<PlotSeries> series;
+    const char* size;  // width, height
+    const char* colors;
+  };
+  const std::vector<Case> cases = {
+      {"one_epoch", {{"train", "loss", {0.7}}, {"valid", "loss", {0.8}}}, "800 364", "2"},
+      {"all_nan",
+       {{"train", "loss", {kNaN, kNaN, kInf}}, {"train", "acc", {0.5, 0.6}}},
+       "800 364",
+       "1"},
+      {"equal_and_close",
+       {{"train", "loss", {0.5, 0.5, 0.5}}, {"train", "acc", {0.9038, 0.90385, 0.9039}}},
+       "800 364",
+       "1"},
+      {"magnitudes",
+       {{"train", "huge", {1e12, 3e12}},
+        {"valid", "tiny", {1e-9, 3e-9}},
+        {"train", "negative", {-120.5, -80.2}},
+        {"valid", "extreme", {-1.7e308, 1.7e308}}},
+       "800 664",
+       "2"},
+      {"five_metrics",
+       {{"train", "a", {1, 2}},
+        {"valid", "b", {1, 2}},
+        {"test", "c", {1, 2}},
+        {"train", "d", {1, 2}},
+        {"train", std::string(300, 'm'), {2, 1}}},
+       "1000 664",
+       "3"},
+      {"nothing", {}, "800 364", "0"},
+  };
+  TempDir dir;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const std::string path = dir / (std::string(c.name) + ".png");
+    testing::write_bytes(path, render_records(c.series, c.name, PlotFormat::Png));
+    std::istringstream size(c.size);
+    std::string width, height;
+    size >> width >> height;
+    auto checked =
+        testing::run_python_script("plot_check.py", {path, width, height, "--colors", c.colors});
+    EXPECT_EQ(checked.status, 0) << checked.output;
+    for (PlotFormat format : {PlotFormat::Svg, PlotFormat::Pdf}) {
+      EXPECT_FALSE(render_records(c.series, c.name, format).empty());
+    }
+  }
 }
 
 // A map-style LibTorch dataset over the same tensors.
@@ -920,6 +1158,67 @@ TEST(Learner, LossModulesAndMulticlassAccuracy) {
 // luz's csv_logger: a row per epoch and set whose values read back to the records exactly; an
 // interrupted fit resumed by auto_resume leaves the same file as an uninterrupted one (the row
 // of the epoch it repeats is not written twice).
+// luz's tfevents callback, judged by TensorBoard itself: its record reader checks every CRC,
+// its EventAccumulator shows each epoch once with the recorded value (as float32), also after
+// an interrupted fit and its auto_resume wrote one file each.
+TEST(Learner, TfeventsScalarsReadByTensorBoard) {
+  auto data = testing::seed_data();
+  auto valid = testing::seed_data(50);
+  TempDir dir;
+  auto options = [&](std::vector<CallbackPtr> extra) {
+    std::vector<CallbackPtr> cbs = {callbacks::tfevents(dir / "logs")};
+    for (auto& c : extra) cbs.push_back(c);
+    return quiet(6).metrics({metrics::mae()}).valid_data({valid.x, valid.y}).callbacks(cbs);
+  };
+  const std::string state = dir / "state.ckpt";
+  torch::manual_seed(42);
+  try {
+    testing::linear_learner()->fit(
+        {data.x, data.y}, options({std::make_shared<Interrupt>(4), callbacks::auto_resume(state)}));
+    FAIL() << "the interrupt callback must stop the first fit";
+  } catch (const CallbackError&) {
+  }
+  FitResult result =
+      testing::linear_learner(99)->fit({data.x, data.y}, options({callbacks::auto_resume(state)}));
+  ASSERT_EQ(result.resumed_after_epoch, std::optional<std::int64_t>(3));
+
+  auto run = testing::run_python_script("tfevents_check.py", {dir / "logs"});
+  ASSERT_EQ(run.status, 0) << run.output;
+  // The resumed fit's file began with a SessionLog START at step 4: TensorBoard dropped the
+  // interrupted fit's epoch 4 (four scalars) and says so on stderr, before the JSON line.
+  EXPECT_NE(run.output.find("Removing 4 scalars"), std::string::npos) << run.output;
+  const std::string json_line =
+      run.output.substr(run.output.rfind('\n', run.output.size() - 2) + 1);
+  ASSERT_TRUE(nlohmann::json::accept(json_line)) << run.output;
+  auto seen = nlohmann::json::parse(json_line);
+  EXPECT_EQ(seen["files"], 2) << "one event file per fit";
+  ASSERT_EQ(seen["scalars"].size(), 4u) << run.output;
+  for (const char* set : {"train", "valid"}) {
+    for (const char* metric : {"loss", "mae"}) {
+      const auto& points = seen["scalars"][std::string(set) + "/" + metric];
+      const std::vector<double> values = result.records.values(set, metric);
+      ASSERT_EQ(points.size(), 6u) << set << "/" << metric << ": " << points;
+      for (std::size_t i = 0; i < 6; ++i) {
+        EXPECT_EQ(points[i][0].get<std::int64_t>(), static_cast<std::int64_t>(i + 1));
+        EXPECT_EQ(points[i][1].get<double>(), static_cast<double>(static_cast<float>(values[i])))
+            << set << "/" << metric << " epoch " << i + 1;
+      }
+    }
+  }
+
+  // A torn record is data loss to TensorBoard's reader: the framing is TFRecord's, CRCs
+  // included.
+  std::string file;
+  for (const std::string& name : testing::list_sorted(dir / "logs")) file = dir / "logs/" + name;
+  testing::flip_bit(file, testing::file_size(file) - 20, 3);
+  auto torn = testing::run_python_script("tfevents_check.py", {dir / "logs"});
+  EXPECT_NE(torn.status, 0);
+  EXPECT_NE(torn.output.find("DataLossError"), std::string::npos) << torn.output;
+
+  expect_error([] { callbacks::tfevents("").build(); }, ErrorCode::InvalidArgument,
+               {"log directory"});
+}
+
 TEST(Learner, CsvLoggerRowsMatchTheRecordsAndSurviveAResume) {
   auto data = testing::seed_data();
   auto valid = testing::seed_data(50);

@@ -139,6 +139,30 @@ struct CsvLoggerOptions {
 };
 inline CsvLoggerOptions csv_logger(std::string path) { return CsvLoggerOptions(std::move(path)); }
 
+// luz's luz_callback_tfevents: at every epoch end, the epoch's metrics as TensorBoard scalars
+// tagged "<set>/<metric>" ("train/loss", "valid/accuracy") at step = epoch, in an event file
+// of `logdir` that `tensorboard --logdir` reads (each fit writes a file of its own). A fit
+// resumed by auto_resume starts its file by telling TensorBoard to drop what earlier files
+// logged from the epoch it continues with, so every epoch shows once, with the values of the
+// run that finished it. Values are stored as float32, as TensorBoard's scalars are.
+//
+// Example:
+//   learner.fit(data, torchpoint::FitOptions().callbacks({torchpoint::callbacks::tfevents(
+//                         "logs")}));
+struct TfeventsOptions {
+  explicit TfeventsOptions(std::string logdir) : logdir_(std::move(logdir)) {}
+  TORCH_ARG(std::string, logdir);
+  // Names the callback in checkpoints (it keeps no state of its own).
+  TORCH_ARG(std::string, name) = "tfevents";
+
+ public:
+  CallbackPtr build() const;
+  operator CallbackPtr() const { return build(); }  // NOLINT: implicit by design
+};
+inline TfeventsOptions tfevents(std::string logdir = "logs") {
+  return TfeventsOptions(std::move(logdir));
+}
+
 // Creates an LR scheduler on the fit's optimizer at the start of the fit and steps it at the
 // end of every epoch (luz's default), or after every optimizer step with step_every_batch.
 // The scheduler's state is the callback's state.

@@ -274,11 +274,15 @@ class FitResult {
   bool stopped_early = false;
   // Set when a callback restored a checkpoint at the start (the epochs completed before).
   std::optional<std::int64_t> resumed_after_epoch;
+  // The model this fit trained (the Learner's; with a model_factory, this fit's own model, so
+  // the results of two fits keep two models, as luz's fitted objects do).
+  std::shared_ptr<torch::nn::Module> model;
 
   // The records as a text table: one row per epoch, one column per (set, metric).
   std::string table() const;
-  // Writes the metric curves (luz's plot(results)): SVG when `path` ends in .svg, PNG when it
-  // ends in .png. Atomic; throws InvalidArgument for another extension.
+  // Writes the metric curves (luz's plot(results), see render_records): PNG, SVG or PDF as
+  // `path` ends in .png, .svg or .pdf. Atomic; throws InvalidArgument for another extension,
+  // before writing anything.
   void plot(const std::string& path) const;
 };
 
@@ -298,7 +302,36 @@ struct RestoreOptions {
   TORCH_ARG(bool, position) = true;
 };
 
+// luz's module generator for a Learner: every fit() of a Learner made from a model_factory
+// starts from a new model (`make()`, which returns a module holder such as torch::nn::Linear or
+// a shared_ptr to a module) and a new optimizer over its parameters, as luz's fit() does. The
+// first model is made when the Learner is.
+//
+// Example:
+//   torchpoint::Learner learner(
+//       torchpoint::model_factory([] { return torch::nn::Linear(10, 1); }),
+//       torchpoint::make_optimizer<torch::optim::SGD>(torch::optim::SGDOptions(0.01)),
+//       torch::mse_loss);
+template <typename Make>
+struct ModelFactory {
+  Make make;
+};
+template <typename Make>
+ModelFactory<Make> model_factory(Make make) {
+  return {std::move(make)};
+}
+namespace detail {
+template <typename T>
+struct is_model_factory : std::false_type {};
+template <typename Make>
+struct is_model_factory<ModelFactory<Make>> : std::true_type {};
+}  // namespace detail
+
 // A model, its optimizer and its loss, trained by fit().
+//
+// Calling fit() again on the same Learner goes on from the model's current weights and the
+// optimizer's current state (a warm start), with records and counters starting empty. For
+// luz's behaviour, where each fit trains a new model, make the Learner from a model_factory.
 //
 // Example:
 //   auto model = torch::nn::Linear(10, 1);
@@ -320,15 +353,32 @@ class Learner {
   // torch::nn::CrossEntropyLoss().
   template <typename Model, typename Optimizer, typename LossFn>
   Learner(Model model, Optimizer optimizer, LossFn loss) {
-    auto module = as_module(model);
-    Forward forward = [module](const at::Tensor& x) -> at::Tensor { return module->forward(x); };
-    std::shared_ptr<torch::optim::Optimizer> opt;
-    if constexpr (std::is_convertible_v<Optimizer, std::shared_ptr<torch::optim::Optimizer>>) {
-      opt = optimizer;
+    if constexpr (detail::is_model_factory<Model>::value) {
+      static_assert(std::is_convertible_v<Optimizer, OptimizerFactory>,
+                    "torchpoint: a Learner made from a model_factory needs an optimizer factory "
+                    "(make_optimizer), since every fit makes a new optimizer");
+      OptimizerFactory make_optimizer = optimizer;
+      remake_ = [this, make = model.make, make_optimizer] {
+        auto fresh = make();
+        auto module = as_module(fresh);
+        model_ = module;
+        forward_ = [module](const at::Tensor& x) -> at::Tensor { return module->forward(x); };
+        optimizer_ = make_optimizer(module->parameters());
+      };
+      loss_ = as_loss(std::move(loss));
+      remake_();
+      init(model_, forward_, optimizer_, loss_);
     } else {
-      opt = OptimizerFactory(optimizer)(module->parameters());
+      auto module = as_module(model);
+      Forward forward = [module](const at::Tensor& x) -> at::Tensor { return module->forward(x); };
+      std::shared_ptr<torch::optim::Optimizer> opt;
+      if constexpr (std::is_convertible_v<Optimizer, std::shared_ptr<torch::optim::Optimizer>>) {
+        opt = optimizer;
+      } else {
+        opt = OptimizerFactory(optimizer)(module->parameters());
+      }
+      init(module, std::move(forward), std::move(opt), as_loss(std::move(loss)));
     }
-    init(module, std::move(forward), std::move(opt), as_loss(std::move(loss)));
   }
   ~Learner();
   Learner(const Learner&) = delete;
@@ -391,6 +441,9 @@ class Learner {
   }
   void init(std::shared_ptr<torch::nn::Module> model, Forward forward,
             std::shared_ptr<torch::optim::Optimizer> optimizer, Loss loss);
+  // With a model_factory: replaces the model, forward and optimizer with new ones.
+  std::function<void()> remake_;
+  bool fitted_ = false;  // a fit has started: the next one remakes the model, if it can
 
   friend struct detail::FitRun;
   std::shared_ptr<torch::nn::Module> model_;
@@ -419,5 +472,9 @@ Learner::OptimizerFactory make_optimizer(Options options) {
 // memory. On error (NotFound, Corruption, Incompatible with the key and shapes) the model is
 // unchanged.
 void load_checkpoint(Learner& learner, const std::string& path, Env* env = nullptr);
+
+// luz_load_checkpoint(fitted, path): the same, into the model a fit trained
+// (FitResult::model). Throws InvalidArgument if the result holds no model.
+void load_checkpoint(FitResult& result, const std::string& path, Env* env = nullptr);
 
 }  // namespace torchpoint

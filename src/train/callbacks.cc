@@ -1,9 +1,14 @@
 #include "torchpoint/callbacks.h"
 
+#include <fcntl.h>
 #include <fmt/args.h>
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -11,7 +16,9 @@
 #include <optional>
 
 #include "io/filename.h"
+#include "io/posix_error.h"
 #include "torchpoint/error.h"
+#include "train/tfevents.h"
 
 namespace torchpoint::callbacks {
 namespace {
@@ -352,6 +359,69 @@ class CsvLogger final : public Callback {
   bool started_ = false;
 };
 
+class Tfevents final : public Callback {
+ public:
+  explicit Tfevents(TfeventsOptions options)
+      : Callback(options.name()), options_(std::move(options)) {
+    if (options_.logdir().empty()) {
+      throw Error(ErrorCode::InvalidArgument, "tfevents needs a log directory");
+    }
+  }
+  Tfevents(const Tfevents&) = delete;
+  Tfevents& operator=(const Tfevents&) = delete;
+  ~Tfevents() override { close(); }
+
+  void on_fit_begin(Context&) override { close(); }
+  void on_fit_end(Context&) override { close(); }
+
+  void on_epoch_end(Context& ctx) override {
+    const double now =
+        std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+    std::string records;
+    if (fd_ < 0) {
+      open_file(ctx, now);
+      records += detail::tfrecord(detail::event_file_version(now));
+      records += detail::tfrecord(detail::event_session_start(now, ctx.epoch));
+    }
+    std::vector<std::pair<std::string, float>> values;
+    for (const std::string& monitor : ctx.monitors) {
+      auto it = ctx.metrics.find(monitor);
+      if (it == ctx.metrics.end()) continue;
+      std::string tag = monitor;
+      tag[tag.find('_')] = '/';  // "valid_loss" is "valid/loss"
+      values.emplace_back(tag, static_cast<float>(it->second));
+    }
+    records += detail::tfrecord(detail::event_scalars(now, ctx.epoch, values));
+    for (std::size_t done = 0; done < records.size();) {
+      ssize_t n = ::write(fd_, records.data() + done, records.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) throw posix_error("tfevents: write of " + path_, errno);
+      done += static_cast<std::size_t>(n);
+    }
+  }
+
+ private:
+  void open_file(Context& ctx, double now) {
+    ensure_directory(*ctx.env, options_.logdir());
+    // A name of its own, even for fits started in the same second by the same process.
+    static std::atomic<int> serial{0};
+    for (;;) {
+      path_ = options_.logdir() + "/" + detail::event_file_name(now, serial++);
+      fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_APPEND | O_CLOEXEC, 0644);
+      if (fd_ >= 0) return;
+      if (errno != EEXIST) throw posix_error("tfevents: create " + path_, errno);
+    }
+  }
+  void close() {
+    if (fd_ >= 0) ::close(fd_);  // written with write(2): nothing buffered to lose
+    fd_ = -1;
+  }
+
+  TfeventsOptions options_;
+  std::string path_;
+  int fd_ = -1;
+};
+
 class EarlyStopping final : public Callback {
  public:
   explicit EarlyStopping(EarlyStoppingOptions options)
@@ -441,6 +511,7 @@ CallbackPtr ResumeFromCheckpointOptions::build() const {
   return std::make_shared<ResumeFromCheckpoint>(*this);
 }
 CallbackPtr CsvLoggerOptions::build() const { return std::make_shared<CsvLogger>(*this); }
+CallbackPtr TfeventsOptions::build() const { return std::make_shared<Tfevents>(*this); }
 CallbackPtr EarlyStoppingOptions::build() const { return std::make_shared<EarlyStopping>(*this); }
 CallbackPtr LRSchedulerOptions::build() const {
   return std::make_shared<LRSchedulerCallback>(*this);

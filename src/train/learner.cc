@@ -285,6 +285,9 @@ FitResult Learner::fit(const FitData& data, const FitOptions& options) {
     }
   }
 
+  // luz's fit trains a new model each time: so does a Learner made from a model_factory.
+  if (remake_ && fitted_) remake_();
+  fitted_ = true;
   records_ = MetricRecords();
   counters_ = TrainingCounters();
   run_ = &run;
@@ -311,7 +314,7 @@ FitResult Learner::fit(const FitData& data, const FitOptions& options) {
     out = options.output() != nullptr ? options.output() : &std::cout;
     terminal = out == &std::cout && ::isatty(STDOUT_FILENO) == 1;
   }
-  detail::Progress progress(out, terminal);
+  detail::Progress progress(out, terminal, terminal ? detail::terminal_width(STDOUT_FILENO) : 80);
 
   run.each("on_fit_begin", &Callback::on_fit_begin);
   if (run.resumed_after_epoch) {
@@ -336,7 +339,7 @@ FitResult Learner::fit(const FitData& data, const FitOptions& options) {
       run.each("on_epoch_begin", &Callback::on_epoch_begin);
       run.each("on_train_begin", &Callback::on_train_begin);
     }
-    progress.epoch_begin(ctx.epoch, ctx.epochs, ctx.batches_per_epoch);
+    progress.epoch_begin(ctx.epoch, ctx.epochs, ctx.batches_per_epoch, counters_.batch_in_epoch);
     model_->train();
     run.sampler.reset();
     while (auto indices = run.sampler.next(batch_size)) {
@@ -376,6 +379,8 @@ FitResult Learner::fit(const FitData& data, const FitOptions& options) {
       model_->eval();
       at::NoGradGuard no_grad;
       run.each("on_valid_begin", &Callback::on_valid_begin);
+      progress.valid_begin(
+          static_cast<std::int64_t>((valid->size() + batch_size - 1) / batch_size));
       std::int64_t batch = 0;
       for (std::size_t begin = 0; begin < valid->size(); begin += batch_size) {
         auto [x, y] = valid->batch(sequential(begin, std::min(valid->size(), begin + batch_size)));
@@ -388,6 +393,7 @@ FitResult Learner::fit(const FitData& data, const FitOptions& options) {
         ctx.loss = loss_(ctx.pred, ctx.target);
         run.each("on_valid_batch_after_loss", &Callback::on_valid_batch_after_loss);
         run.add_batch("valid");
+        progress.valid_batch(batch, run.progress["valid_loss"].mean());
         run.each("on_valid_batch_end", &Callback::on_valid_batch_end);
       }
       run.record_set("valid");
@@ -412,6 +418,7 @@ FitResult Learner::fit(const FitData& data, const FitOptions& options) {
   result.steps = counters_.step;
   result.stopped_early = ctx.stop_requested && counters_.epoch < ctx.epochs;
   result.resumed_after_epoch = run.resumed_after_epoch;
+  result.model = model_;
   return result;
 }
 

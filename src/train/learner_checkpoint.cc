@@ -266,4 +266,22 @@ void load_checkpoint(Learner& learner, const std::string& path, Env* env) {
       path, RestoreOptions().optimizer(false).records(false).callbacks(false).position(false), env);
 }
 
+void load_checkpoint(FitResult& result, const std::string& path, Env* env) {
+  if (!result.model) {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("load_checkpoint: this FitResult holds no model to load {} into (it "
+                            "was not returned by Learner::fit)",
+                            path));
+  }
+  StateDict state = read_checkpoint(path, env_or_default(env));
+  if (!state.has_child("model")) {
+    throw Error(ErrorCode::Incompatible, fmt::format("{} has no model state to load", path));
+  }
+  StateDict selected;
+  selected.set_child("model", state.child("model"));
+  StatefulSet set;
+  set.add("model", ModelPart{result.model.get()});
+  set.restore(selected);
+}
+
 }  // namespace torchpoint
