@@ -106,12 +106,14 @@ int main(int argc, char** argv) {
   tp::FitResult expected = uninterrupted->fit({x, y}, tp::FitOptions().verbose(false));
 
   const std::string state = (work / "state.pt").string();
+  const std::string logs = (work / "logs").string();  // for tensorboard --logdir
   auto inter = std::make_shared<Interrupt>();
   torch::manual_seed(1);
   auto model = make_model();
   try {
-    model->fit({x, y}, tp::FitOptions().verbose(false).callbacks(
-                           {inter, tp::callbacks::auto_resume(state)}));
+    model->fit({x, y},
+               tp::FitOptions().verbose(false).callbacks(
+                   {inter, tp::callbacks::auto_resume(state), tp::callbacks::tfevents(logs)}));
     check(false, "the first fit stops at epoch 5");
   } catch (const tp::CallbackError& e) {
     std::printf("  Error: %s\n", e.what());
@@ -121,7 +123,8 @@ int main(int argc, char** argv) {
   // "Relancer la fonction fit() avec le même modèle, les callbacks, etc."
   model = make_model();
   tp::FitResult results =
-      model->fit({x, y}, tp::FitOptions().callbacks({inter, tp::callbacks::auto_resume(state)}));
+      model->fit({x, y}, tp::FitOptions().callbacks({inter, tp::callbacks::auto_resume(state),
+                                                     tp::callbacks::tfevents(logs)}));
   check(results.resumed_after_epoch == 4 && results.epochs_completed == 10,
         "the rerun resumed after epoch 4 and finished epoch 10");
   check(
@@ -132,9 +135,14 @@ int main(int argc, char** argv) {
         "and so are its final weights");
   check(!std::filesystem::exists(state), "state.pt is deleted once the fit completes");
   std::printf("%s", results.table().c_str());
-  results.plot((work / "auto_resume.svg").string());
   results.plot((work / "auto_resume.png").string());
-  std::printf("  plot(results): %s and .png\n", (work / "auto_resume.svg").c_str());
+  results.plot((work / "auto_resume.svg").string());
+  std::printf("  plot(results): %s and .svg\n", (work / "auto_resume.png").c_str());
+  int event_files = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(logs)) {
+    event_files += entry.path().filename().string().rfind("events.out.tfevents.", 0) == 0;
+  }
+  check(event_files == 2, "TensorBoard event files in " + logs + ", one per fit");
 
   std::printf("\n2. model_checkpoint(path = \"checkpoints/\", monitor = \"train_loss\")\n");
   torch::manual_seed(1703);

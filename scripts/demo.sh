@@ -5,7 +5,8 @@
 #   2. accelerate_example: the checkpointing example of Accelerate's guide (seed 000).
 #   3. luz_example: the model-snapshot guide of luz (seed 004): auto_resume after an
 #      interrupt, model_checkpoint, load_checkpoint, resume_from_checkpoint, callback state;
-#      writes the plot of the records to build/demo-run/luz/auto_resume.svg (and .png).
+#      writes the plot of the records to build/demo-run/luz/auto_resume.png (and .svg) and
+#      TensorBoard event files to build/demo-run/luz/logs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh torchpoint_demo accelerate_example luz_example
