@@ -189,6 +189,32 @@ TEST(Accelerator, RetentionKeepsCheckpointsNewerThanTheResumedOneUnlessCorrupt) 
   }
 }
 
+// A new user's resume is one call: nothing on a fresh project, the newest valid checkpoint
+// otherwise; a project whose checkpoints are all invalid is not fresh and says so.
+TEST(Accelerator, TryLoadStateDoesNothingOnAFreshProject) {
+  TempDir dir;
+  {
+    AcceleratorJob fresh(automatic(dir.path()));
+    auto before = fresh.model->parameters().front().clone();
+    EXPECT_FALSE(fresh.acc.try_load_state().has_value());
+    EXPECT_TRUE(testing::bitwise_equal(fresh.model->parameters().front(), before));
+    fresh.train(/*save_every=*/10);  // checkpoint_0 (step 10) .. checkpoint_2 (step 30)
+  }
+  AcceleratorJob again(automatic(dir.path()));
+  std::optional<LoadStateReport> report = again.acc.try_load_state();
+  ASSERT_TRUE(report.has_value());
+  EXPECT_EQ(report->path, dir / "checkpoints/checkpoint_2");
+  EXPECT_EQ(again.counters.step, 30);
+
+  for (const char* name : {"checkpoint_0", "checkpoint_1", "checkpoint_2"}) {
+    std::string bad = dir / "checkpoints/" + std::string(name) + "/model.safetensors";
+    testing::flip_bit(bad, testing::file_size(bad) - 3, 1);
+  }
+  AcceleratorJob broken(automatic(dir.path()));
+  expect_error([&] { broken.acc.try_load_state(); }, ErrorCode::NotFound,
+               {"no valid checkpoint", "3 invalid ones skipped"});
+}
+
 TEST(Accelerator, CorruptNewestCheckpointFallsBackToThePreviousWithAWarning) {
   TempDir dir;
   {

@@ -2,7 +2,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cmath>
 #include <memory>
 
 #include "commands.h"
@@ -12,6 +11,7 @@
 #include "output.h"
 #include "torchpoint/env.h"
 #include "torchpoint/error.h"
+#include "torchpoint/retention.h"
 
 namespace torchpoint::tool {
 namespace {
@@ -22,68 +22,59 @@ struct Decision {
   std::vector<std::string> reasons;
 };
 
-// The retention rule, a pure function of the listing (oldest first):
-// - the newest valid checkpoint is always kept;
-// - the last `keep_last` valid ones are kept;
-// - with a metric, the valid one with the best manifest metadata["metrics"][metric] is kept
-//   (the earliest of equals; NaN never wins);
-// - corrupt and uncommitted entries are never deleted and never counted: a corrupt one may be
-//   a newer format or a transient read error, a temporary may belong to a save in progress;
-// - every other valid checkpoint is deleted.
+CheckpointStatus retention_status(Status status) {
+  switch (status) {
+    case Status::Valid:
+      return CheckpointStatus::Valid;
+    case Status::Corrupt:
+      return CheckpointStatus::Corrupt;
+    case Status::Uncommitted:
+      break;
+  }
+  return CheckpointStatus::Uncommitted;
+}
+
+// The library's retention policy over the listing (oldest first): the last `keep_last` valid
+// checkpoints and, with a metric, the best one by manifest metadata["metrics"][metric]; the
+// newest valid one always; corrupt and uncommitted entries are never deleted (a corrupt one
+// may be a newer format or a transient read error, a temporary may belong to a save in
+// progress).
 std::vector<Decision> plan(const Listing& listing, const PruneOptions& options) {
+  std::vector<RetentionEntry> entries;
+  for (const ListedCheckpoint& e : listing.entries) {
+    RetentionEntry r;
+    r.name = e.name;
+    r.status = retention_status(e.status);
+    r.step = e.step;
+    if (options.keep_best) r.metric = manifest_metric(e, *options.keep_best);
+    r.commit_time_ms = e.modified_unix_ms;
+    entries.push_back(std::move(r));
+  }
+  RetentionPolicy policy = RetentionPolicy().keep_last(options.keep_last);
+  if (options.keep_best)
+    policy.best_metric(*options.keep_best).best_mode_max(options.mode == "max");
+  std::vector<RetentionDecision> decided;
+  try {
+    decided = plan_retention(entries, policy);
+  } catch (const Error& e) {
+    if (e.code() != ErrorCode::NotFound || !options.keep_best) throw;
+    throw Error(ErrorCode::NotFound,
+                fmt::format("no valid checkpoint in {} records the metric '{}' (read from "
+                            "manifest metadata[\"metrics\"][\"{}\"]): nothing deleted, as the "
+                            "best one cannot be told",
+                            listing.dir, *options.keep_best, *options.keep_best));
+  }
   std::vector<Decision> decisions;
-  for (const ListedCheckpoint& e : listing.entries) decisions.push_back({&e, false, {}});
-  std::size_t valid_seen = 0;
-  for (auto it = decisions.rbegin(); it != decisions.rend(); ++it) {
-    if (it->entry->status != Status::Valid) continue;
-    if (valid_seen == 0) it->reasons.push_back("newest valid");
-    if (valid_seen < options.keep_last) {
-      it->reasons.push_back(fmt::format("last {}", options.keep_last));
+  for (std::size_t i = 0; i < decided.size(); ++i) {
+    const ListedCheckpoint& e = listing.entries[i];
+    Decision d{&e, decided[i].keep, std::move(decided[i].reasons)};
+    if (e.status == Status::Uncommitted && !is_temp_name(e.name)) {
+      // Not a temporary: no save will sweep it away.
+      d.reasons = {
+          "uncommitted (no manifest.json): not deleted; remove it by hand if no save "
+          "is running"};
     }
-    if (valid_seen == 0 || valid_seen < options.keep_last) it->keep = true;
-    ++valid_seen;
-  }
-  if (options.keep_best) {
-    Decision* best = nullptr;
-    double best_value = 0;
-    for (Decision& d : decisions) {
-      if (d.entry->status != Status::Valid) continue;
-      std::optional<double> v = manifest_metric(*d.entry, *options.keep_best);
-      if (!v || std::isnan(*v)) continue;
-      bool better = options.mode == "max" ? *v > best_value : *v < best_value;
-      if (!best || better) {
-        best = &d;
-        best_value = *v;
-      }
-    }
-    if (!best) {
-      throw Error(ErrorCode::NotFound,
-                  fmt::format("no valid checkpoint in {} records the metric '{}' (read from "
-                              "manifest metadata[\"metrics\"][\"{}\"]): nothing deleted, as the "
-                              "best one cannot be told",
-                              listing.dir, *options.keep_best, *options.keep_best));
-    }
-    best->keep = true;
-    best->reasons.push_back(
-        fmt::format("best {} {}={}", options.mode, *options.keep_best, format_double(best_value)));
-  }
-  for (Decision& d : decisions) {
-    if (d.entry->status == Status::Corrupt) {
-      d.keep = true;
-      d.reasons.push_back("corrupt: not counted, not deleted (see torchpoint verify)");
-    } else if (d.entry->status == Status::Uncommitted) {
-      d.keep = true;
-      d.reasons.push_back(
-          is_temp_name(d.entry->name)
-              ? "uncommitted: a save in progress, or a dead one's leftover that the next save "
-                "removes"
-              : "uncommitted (no manifest.json): not deleted; remove it by hand if no save is "
-                "running");
-    } else if (!d.keep) {
-      d.reasons.push_back(options.keep_best
-                              ? fmt::format("not in the last {}, not the best", options.keep_last)
-                              : fmt::format("not in the last {}", options.keep_last));
-    }
+    decisions.push_back(std::move(d));
   }
   return decisions;
 }

@@ -161,6 +161,11 @@ class Accelerator {
   // loading). RNG state goes back last. With automatic naming, the next save_state() writes
   // checkpoint_<n + 1>, or after the newest existing checkpoint when the one loaded was older.
   LoadStateReport load_state(const std::string& input_dir = "");
+  // The one call a resumable program makes at its start: load_state() of the newest valid
+  // checkpoint when the project has a committed one, and nothing (nullopt, no change) on a
+  // fresh project. Needs automatic naming's project directory. Errors as load_state(): a project
+  // whose checkpoints are all invalid is not fresh, and throws NotFound listing them.
+  std::optional<LoadStateReport> try_load_state();
 
   // The next iteration of `loader` starts `num_batches` batches into the epoch it iterates
   // (after load_state(), the epoch the checkpoint was in, or the next one when that one had no

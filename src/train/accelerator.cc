@@ -17,6 +17,7 @@
 #include "torchpoint/error.h"
 #include "torchpoint/module_state.h"
 #include "torchpoint/optimizer_state.h"
+#include "torchpoint/retention.h"
 #include "torchpoint/stateful_set.h"
 
 namespace torchpoint {
@@ -298,36 +299,49 @@ void Accelerator::apply_total_limit(const std::string& just_written) {
   std::string dir = checkpoints_dir();
   ProjectLock lock(env_, dir);
   auto all = list_checkpoints();
-  auto excess = static_cast<std::int64_t>(all.size()) - *config_.total_limit();
+  const auto limit = static_cast<std::size_t>(*config_.total_limit());
+  if (all.size() <= limit) return;
   std::optional<std::uint64_t> resumed_number;
   if (!resumed_from_.empty()) resumed_number = parse_checkpoint_name(base_name(resumed_from_));
-  auto newer_than_resumed = [&](std::int64_t number) {
-    return resumed_number && static_cast<std::uint64_t>(number) > *resumed_number &&
-           number < first_own_number_;
-  };
-  // Renamed to a temporary name first, so that a crash mid-removal leaves something the next
-  // save sweeps away, never a half-deleted directory that still looks committed.
-  auto remove = [&](const std::string& path) {
+  // The library's retention policy with keep_last = total_limit. Committed checkpoints count
+  // as valid without being read (verifying every one at each save would read them all), except
+  // those that were there, newer than the one this run resumed from (after load_state() of an
+  // older one): they hold progress this run lacks, so they are pinned, unless their own
+  // checksums prove them corrupt, in which case they go. The checkpoint resumed from is not
+  // pinned: total_limit is a maximum.
+  std::vector<RetentionEntry> entries;
+  for (const auto& [number, path] : all) {
+    RetentionEntry e;
+    e.name = path;
+    const bool newer_than_resumed = resumed_number &&
+                                    static_cast<std::uint64_t>(number) > *resumed_number &&
+                                    number < first_own_number_ && path != just_written;
+    if (newer_than_resumed) {
+      if (verify(path, env_).proven_corrupt()) {
+        e.status = CheckpointStatus::Corrupt;
+      } else {
+        e.pinned = "newer than the checkpoint this run resumed from";
+      }
+    }
+    entries.push_back(std::move(e));
+  }
+  std::vector<RetentionDecision> decisions =
+      plan_retention(entries, RetentionPolicy().keep_last(limit).delete_corrupt(true));
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    if (decisions[i].keep) continue;
+    // Renamed to a temporary name first, so that a crash mid-removal leaves something the next
+    // save sweeps away, never a half-deleted directory that still looks committed.
+    const std::string& path = entries[i].name;
     std::string doomed = join_path(dir, temp_name(base_name(path)));
     env_.rename(path, doomed, /*replace=*/false);
     env_.sync_dir(dir);
     env_.remove_all(doomed);
-    --excess;
-  };
-  // Checkpoints that were there, newer than the one this run resumed from (after load_state()
-  // of an older one), hold progress this run lacks: kept, unless their own checksums prove them
-  // corrupt, in which case they go first.
-  for (const auto& [number, path] : all) {
-    if (excess <= 0 || path == just_written || !newer_than_resumed(number)) continue;
-    if (verify(path, env_).proven_corrupt()) remove(path);
   }
-  // Then the oldest, the checkpoint this run resumed from included: total_limit is a maximum.
-  // The checkpoint just committed, the newest valid one, is never deleted.
-  for (const auto& [number, path] : all) {
-    if (excess <= 0) break;
-    if (path == just_written || newer_than_resumed(number)) continue;
-    remove(path);
-  }
+}
+
+std::optional<LoadStateReport> Accelerator::try_load_state() {
+  if (list_checkpoints().empty()) return std::nullopt;
+  return load_state();
 }
 
 LoadStateReport Accelerator::load_state(const std::string& input_dir) {
