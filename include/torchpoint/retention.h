@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "torchpoint/error.h"
+
 namespace torchpoint {
 
 enum class CheckpointStatus {

@@ -16,6 +16,7 @@
 #include "torchpoint/module_state.h"
 #include "torchpoint/optimizer_state.h"
 #include "torchpoint/records_plot.h"
+#include "torchpoint/retention.h"
 #include "torchpoint/rng_state.h"
 #include "torchpoint/state_dict.h"
 #include "torchpoint/stateful_set.h"
