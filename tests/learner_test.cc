@@ -324,6 +324,38 @@ TEST(Learner, ModelCheckpointTemplateTakesLuzsMonitorField) {
 }
 
 // luz_load_checkpoint(results, path): the weights go into the model the fit returned.
+// Lightning's save_top_k through the checkpoint layer's retention policy: the k best files by
+// the monitor and the newest stay, also across an interrupt and auto_resume.
+TEST(Learner, ModelCheckpointSaveTopKKeepsTheBestAndTheNewest) {
+  auto data = testing::seed_data();
+  TempDir dir;
+  auto options = [&](const std::string& ckpts, std::vector<CallbackPtr> extra) {
+    // mode max on a falling loss: the best two are epochs 1 and 2.
+    std::vector<CallbackPtr> cbs = {
+        callbacks::model_checkpoint(ckpts).monitor("train_loss").mode(Mode::kMax).save_top_k(2)};
+    for (auto& c : extra) cbs.push_back(c);
+    return quiet(6).seed(7).callbacks(cbs);
+  };
+  testing::linear_learner()->fit({data.x, data.y}, options(dir / "whole/", {}));
+  std::vector<std::string> whole = testing::list_sorted(dir / "whole");
+  ASSERT_EQ(whole.size(), 3u);
+  EXPECT_EQ(whole[0].rfind("epoch-01-", 0), 0u) << whole[0];
+  EXPECT_EQ(whole[1].rfind("epoch-02-", 0), 0u) << whole[1];
+  EXPECT_EQ(whole[2].rfind("epoch-06-", 0), 0u) << whole[2];
+
+  EXPECT_THROW(testing::linear_learner()->fit(
+                   {data.x, data.y},
+                   options(dir / "resumed/", {std::make_shared<Interrupt>(4),
+                                              callbacks::auto_resume(dir / "state.ckpt")})),
+               CallbackError);
+  testing::linear_learner()->fit(
+      {data.x, data.y}, options(dir / "resumed/", {callbacks::auto_resume(dir / "state.ckpt")}));
+  EXPECT_EQ(testing::list_sorted(dir / "resumed"), whole);
+
+  expect_error([] { callbacks::model_checkpoint("x/").save_top_k(0).build(); },
+               ErrorCode::InvalidArgument, {"save_top_k"});
+}
+
 TEST(Learner, LoadCheckpointIntoWhatFitReturned) {
   auto data = testing::seed_data();
   TempDir dir;

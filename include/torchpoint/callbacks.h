@@ -56,7 +56,10 @@ inline AutoResumeOptions auto_resume(std::string path = "./state.ckpt") {
 // With save_best_only, only epochs whose monitored value improves on the best so far by more than
 // min_delta (in `mode`'s direction) are written. The best value is part of the callback's state. A
 // monitored metric that the fit does not record is an InvalidArgument error at the start of the
-// fit, naming the metrics that exist.
+// fit, naming the metrics that exist. With save_top_k(k) (Lightning's save_top_k), after each
+// save only the k files with the best monitored values, and the newest one (a resume needs
+// it), are kept of those this callback wrote; the others are deleted. The files written and
+// their values are part of the callback's state.
 struct ModelCheckpointOptions {
   explicit ModelCheckpointOptions(std::string path) : path_(std::move(path)) {}
   TORCH_ARG(std::string, path);
@@ -64,6 +67,7 @@ struct ModelCheckpointOptions {
   TORCH_ARG(bool, save_best_only) = false;
   TORCH_ARG(Mode, mode) = Mode::kMin;
   TORCH_ARG(double, min_delta) = 0.0;
+  TORCH_ARG(std::optional<std::size_t>, save_top_k);
   // Names the callback's state in checkpoints; two in one fit need different names.
   TORCH_ARG(std::string, name) = "model_checkpoint";
 

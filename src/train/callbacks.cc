@@ -13,11 +13,13 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <optional>
 
 #include "io/filename.h"
 #include "io/posix_error.h"
 #include "torchpoint/error.h"
+#include "torchpoint/retention.h"
 #include "train/tfevents.h"
 
 namespace torchpoint::callbacks {
@@ -120,6 +122,11 @@ class ModelCheckpoint final : public Callback {
     if (options_.path().empty()) {
       throw Error(ErrorCode::InvalidArgument, "model_checkpoint needs a directory or file path");
     }
+    if (options_.save_top_k() && *options_.save_top_k() == 0) {
+      throw Error(ErrorCode::InvalidArgument,
+                  "model_checkpoint: save_top_k must be at least 1 (leave it unset to keep every "
+                  "file)");
+    }
   }
 
   void on_fit_begin(Context& ctx) override {
@@ -137,6 +144,9 @@ class ModelCheckpoint final : public Callback {
     std::string path = file_for(ctx, value);
     ensure_directory(*ctx.env, parent_path(path));
     ctx.learner->save_checkpoint(path, ctx.env);
+    std::erase_if(saved_, [&](const Saved& f) { return f.path == path; });  // overwritten
+    saved_.push_back({path, value});
+    if (options_.save_top_k()) keep_top_k(*ctx.env);
   }
 
   StateDict state_dict() const override {
@@ -144,6 +154,15 @@ class ModelCheckpoint final : public Callback {
     s.set_double("best", best_);
     s.set("mode", mode_name(options_.mode()));
     s.set("monitor", options_.monitor());
+    if (options_.save_top_k()) {
+      Json files = Json::array();
+      for (const Saved& f : saved_) {
+        // JSON has no NaN: a value that is not finite is saved as null (never the best).
+        files.push_back(
+            {{"path", f.path}, {"value", std::isfinite(f.value) ? Json(f.value) : Json(nullptr)}});
+      }
+      s.set("saved", files);
+    }
     return s;
   }
   void load_state_dict(const StateDict& s) override {
@@ -156,6 +175,14 @@ class ModelCheckpoint final : public Callback {
                               options_.monitor(), mode_name(options_.mode())));
     }
     best_ = s.get_double("best");
+    saved_.clear();
+    if (s.contains("saved")) {
+      for (const Json& f : s.value("saved")) {
+        saved_.push_back({f.at("path").get<std::string>(),
+                          f.at("value").is_number() ? f.at("value").get<double>()
+                                                    : std::numeric_limits<double>::quiet_NaN()});
+      }
+    }
   }
 
  private:
@@ -184,9 +211,48 @@ class ModelCheckpoint final : public Callback {
     }
   }
 
+  // The retention policy of the checkpoint layer over the files this callback wrote, oldest
+  // first: the best k by the monitored value, and the newest.
+  void keep_top_k(Env& env) {
+    std::vector<RetentionEntry> entries;
+    for (const Saved& f : saved_) {
+      RetentionEntry e;
+      e.name = f.path;
+      if (!std::isnan(f.value)) e.metric = f.value;
+      entries.push_back(std::move(e));
+    }
+    RetentionPolicy policy = RetentionPolicy()
+                                 .best_metric(options_.monitor())
+                                 .keep_best(*options_.save_top_k())
+                                 .best_mode_max(options_.mode() == Mode::kMax);
+    std::vector<RetentionDecision> decisions;
+    try {
+      decisions = plan_retention(entries, policy);
+    } catch (const Error& e) {
+      // Swallowed on purpose: no file has a finite value yet, so no best can be told and
+      // everything is kept.
+      if (e.code() == ErrorCode::NotFound) return;
+      throw;
+    }
+    std::vector<Saved> kept;
+    for (std::size_t i = 0; i < saved_.size(); ++i) {
+      if (decisions[i].keep) {
+        kept.push_back(saved_[i]);
+      } else if (env.stat(saved_[i].path).exists) {
+        env.remove_file(saved_[i].path);
+      }
+    }
+    saved_ = std::move(kept);
+  }
+
+  struct Saved {
+    std::string path;
+    double value;
+  };
   ModelCheckpointOptions options_;
   double best_;
   bool directory_ = false;
+  std::vector<Saved> saved_;  // with save_top_k: the files written and kept, oldest first
 };
 
 // The epoch number in a checkpoint file name: after "epoch-" or "epoch_" if present, else the
