@@ -20,13 +20,13 @@
 #include <string>
 #include <vector>
 
-#include "listing.h"
 #include "sha256.h"
 #include "testing/fault_env.h"
 #include "testing/test_util.h"
 #include "tests/learner_job.h"
 #include "torchpoint/accelerator.h"
 #include "torchpoint/checkpoint_dir.h"
+#include "torchpoint/checkpoint_manager.h"
 #include "torchpoint/data_position.h"
 #include "torchpoint/env.h"
 #include "torchpoint/state_dict.h"
@@ -460,18 +460,18 @@ TEST(CliLs, ACheckpointDeletedWhileBeingListedIsNotCalledCorrupt) {
           corrupt(data_file);
         }
       });
-      tool::Listing listing = tool::list_checkpoints(tmp.path(), env);
+      CheckpointListing listing = list_checkpoints(tmp.path(), env);
       ASSERT_TRUE(*fired) << "the hook never ran: the test proves nothing";
       std::vector<std::string> names;
-      for (const tool::ListedCheckpoint& c : listing.entries) {
+      for (const ListedCheckpoint& c : listing.entries) {
         names.push_back(c.name);
         if (action != Action::FlipABit) {
-          EXPECT_NE(c.status, tool::Status::Corrupt) << c.name << ": " << c.problems.at(0);
+          EXPECT_NE(c.status, CheckpointStatus::Corrupt) << c.name << ": " << c.problems.at(0);
         }
       }
       if (action == Action::FlipABit) {
         ASSERT_EQ(listing.entries.size(), 3u);
-        EXPECT_EQ(listing.entries[1].status, tool::Status::Corrupt) << "control";
+        EXPECT_EQ(listing.entries[1].status, CheckpointStatus::Corrupt) << "control";
       } else {
         EXPECT_EQ(names.size(), 2u) << "the deleted checkpoint is not listed";
       }

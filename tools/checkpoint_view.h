@@ -45,13 +45,6 @@ struct CheckpointView {
 // checkpoints), Corruption for damaged files, Incompatible for a newer format.
 CheckpointView open_checkpoint(const std::string& path);
 
-// The step a file checkpoint records, read from its header only (no tensor data): the JSON
-// value "step" at its top level or "counters.step" (TrainingCounters under "counters").
-// nullopt when it has none or the header cannot be read.
-std::optional<std::int64_t> file_checkpoint_step(const std::string& path);
-// The "learner.metrics" of a learner checkpoint file (the epoch's values by monitor name).
-std::optional<Json> file_checkpoint_metrics(const std::string& path);
-
 // The component named `name`, or nullptr.
 const ComponentView* find_component(const CheckpointView& view, const std::string& name);
 // "model, optimizer, records" (the top-level component shows as "(top level)").

@@ -4,8 +4,8 @@
 #include <algorithm>
 
 #include "commands.h"
-#include "listing.h"
 #include "output.h"
+#include "torchpoint/checkpoint_manager.h"
 
 namespace torchpoint::tool {
 namespace {
@@ -22,7 +22,7 @@ std::string metrics_text(const ListedCheckpoint& entry) {
   return text;
 }
 
-Json to_json(const Listing& listing) {
+Json to_json(const CheckpointListing& listing) {
   Json entries = Json::array();
   Json latest = nullptr;
   for (const ListedCheckpoint& e : listing.entries) {
@@ -36,9 +36,9 @@ Json to_json(const Listing& listing) {
         {"number", e.number ? Json(*e.number) : Json(nullptr)},
         {"step", e.step ? Json(*e.step) : Json(nullptr)},
         {"size_bytes", e.size_bytes},
-        {"modified_unix_ms", e.modified_unix_ms},
-        {"modified", iso_time(e.modified_unix_ms)},
-        {"status", status_name(e.status)},
+        {"modified_unix_ms", e.commit_time_ms},
+        {"modified", iso_time(e.commit_time_ms)},
+        {"status", checkpoint_status_name(e.status)},
         {"latest", e.latest},
         {"metrics", metrics},
         {"problems", e.problems},
@@ -50,7 +50,7 @@ Json to_json(const Listing& listing) {
 }  // namespace
 
 int run_ls(const LsOptions& options, std::ostream& out) {
-  Listing listing = list_checkpoints(options.dir);
+  CheckpointListing listing = list_checkpoints(options.dir);
   if (options.json) {
     print_json(out, to_json(listing));
     return kExitOk;
@@ -66,12 +66,12 @@ int run_ls(const LsOptions& options, std::ostream& out) {
   for (const ListedCheckpoint& e : listing.entries) {
     table.add({e.latest ? "*" : " ", e.name + (e.is_directory ? "/" : ""),
                e.number ? std::to_string(*e.number) : "-", e.step ? std::to_string(*e.step) : "-",
-               std::to_string(e.size_bytes), iso_time(e.modified_unix_ms), metrics_text(e),
-               status_name(e.status)});
+               std::to_string(e.size_bytes), iso_time(e.commit_time_ms), metrics_text(e),
+               checkpoint_status_name(e.status)});
   }
   table.print(out);
   for (const ListedCheckpoint& e : listing.entries) {
-    if (e.status == Status::Corrupt && !e.problems.empty()) {
+    if (e.status == CheckpointStatus::Corrupt && !e.problems.empty()) {
       out << fmt::format("{}: {}{}\n", e.name, e.problems.front(),
                          e.problems.size() > 1 ? fmt::format(" (and {} more: torchpoint verify {})",
                                                              e.problems.size() - 1, e.path)

@@ -7,11 +7,10 @@
 #include "commands.h"
 #include "io/atomic_commit.h"
 #include "io/filename.h"
-#include "listing.h"
 #include "output.h"
+#include "torchpoint/checkpoint_manager.h"
 #include "torchpoint/env.h"
 #include "torchpoint/error.h"
-#include "torchpoint/retention.h"
 
 namespace torchpoint::tool {
 namespace {
@@ -22,40 +21,19 @@ struct Decision {
   std::vector<std::string> reasons;
 };
 
-CheckpointStatus retention_status(Status status) {
-  switch (status) {
-    case Status::Valid:
-      return CheckpointStatus::Valid;
-    case Status::Corrupt:
-      return CheckpointStatus::Corrupt;
-    case Status::Uncommitted:
-      break;
-  }
-  return CheckpointStatus::Uncommitted;
-}
-
 // The library's retention policy over the listing (oldest first): the last `keep_last` valid
 // checkpoints and, with a metric, the best one by manifest metadata["metrics"][metric]; the
 // newest valid one always; corrupt and uncommitted entries are never deleted (a corrupt one
 // may be a newer format or a transient read error, a temporary may belong to a save in
 // progress).
-std::vector<Decision> plan(const Listing& listing, const PruneOptions& options) {
-  std::vector<RetentionEntry> entries;
-  for (const ListedCheckpoint& e : listing.entries) {
-    RetentionEntry r;
-    r.name = e.name;
-    r.status = retention_status(e.status);
-    r.step = e.step;
-    if (options.keep_best) r.metric = manifest_metric(e, *options.keep_best);
-    r.commit_time_ms = e.modified_unix_ms;
-    entries.push_back(std::move(r));
-  }
+std::vector<Decision> plan(const CheckpointListing& listing, const PruneOptions& options) {
   RetentionPolicy policy = RetentionPolicy().keep_last(options.keep_last);
-  if (options.keep_best)
+  if (options.keep_best) {
     policy.best_metric(*options.keep_best).best_mode_max(options.mode == "max");
+  }
   std::vector<RetentionDecision> decided;
   try {
-    decided = plan_retention(entries, policy);
+    decided = plan_retention(listing, policy);
   } catch (const Error& e) {
     if (e.code() != ErrorCode::NotFound || !options.keep_best) throw;
     throw Error(ErrorCode::NotFound,
@@ -68,7 +46,7 @@ std::vector<Decision> plan(const Listing& listing, const PruneOptions& options) 
   for (std::size_t i = 0; i < decided.size(); ++i) {
     const ListedCheckpoint& e = listing.entries[i];
     Decision d{&e, decided[i].keep, std::move(decided[i].reasons)};
-    if (e.status == Status::Uncommitted && !is_temp_name(e.name)) {
+    if (e.status == CheckpointStatus::Uncommitted && !is_temp_name(e.name)) {
       // Not a temporary: no save will sweep it away.
       d.reasons = {
           "uncommitted (no manifest.json): not deleted; remove it by hand if no save "
@@ -79,24 +57,11 @@ std::vector<Decision> plan(const Listing& listing, const PruneOptions& options) 
   return decisions;
 }
 
-// Deletes one checkpoint so that a crash midway never leaves a damaged checkpoint under its
-// name: a directory is first renamed to a temporary name (which a later save sweeps away).
-void remove_checkpoint(Env& env, const Listing& listing, const ListedCheckpoint& entry) {
-  if (!entry.is_directory) {
-    env.remove_file(entry.path);
-    return;
-  }
-  std::string doomed = join_path(listing.dir, temp_name(entry.name));
-  env.rename(entry.path, doomed, /*replace=*/false);
-  env.sync_dir(listing.dir);
-  env.remove_all(doomed);
-}
-
 }  // namespace
 
 int run_prune(const PruneOptions& options, std::ostream& out) {
   Env& env = Env::posix();
-  Listing listing = list_checkpoints(options.dir);
+  CheckpointListing listing = list_checkpoints(options.dir);
   std::vector<Decision> decisions = plan(listing, options);
   if (options.dry_run) out << "dry run: nothing is deleted\n";
   if (decisions.empty()) {
@@ -109,14 +74,14 @@ int run_prune(const PruneOptions& options, std::ostream& out) {
   Table table({"ACTION", "NAME", "STATUS", "WHY"});
   std::size_t deleted = 0;
   for (const Decision& d : decisions) {
-    table.add({d.keep ? "KEEP" : "DELETE", d.entry->name, status_name(d.entry->status),
+    table.add({d.keep ? "KEEP" : "DELETE", d.entry->name, checkpoint_status_name(d.entry->status),
                fmt::format("{}", fmt::join(d.reasons, "; "))});
   }
   table.print(out);
   if (!options.dry_run) {
     for (const Decision& d : decisions) {
       if (d.keep) continue;
-      remove_checkpoint(env, listing, *d.entry);
+      remove_checkpoint(listing.dir, *d.entry, env);
       ++deleted;
     }
     if (deleted > 0) env.sync_dir(listing.dir);

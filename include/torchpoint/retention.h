@@ -20,6 +20,9 @@ enum class CheckpointStatus {
   Uncommitted,  // a temporary name (a save in progress or one that died), or no manifest
 };
 
+// "valid", "corrupt" or "uncommitted".
+const char* checkpoint_status_name(CheckpointStatus status);
+
 // What retention knows of one checkpoint. A listing is ordered oldest first.
 struct RetentionEntry {
   std::string name;

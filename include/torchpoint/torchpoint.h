@@ -5,6 +5,7 @@
 #include "torchpoint/accelerator.h"
 #include "torchpoint/callbacks.h"
 #include "torchpoint/checkpoint_dir.h"
+#include "torchpoint/checkpoint_manager.h"
 #include "torchpoint/data_loader.h"
 #include "torchpoint/data_position.h"
 #include "torchpoint/env.h"

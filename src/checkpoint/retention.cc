@@ -20,6 +20,18 @@ std::string number_text(double value) { return fmt::format("{}", value); }
 
 }  // namespace
 
+const char* checkpoint_status_name(CheckpointStatus status) {
+  switch (status) {
+    case CheckpointStatus::Valid:
+      return "valid";
+    case CheckpointStatus::Corrupt:
+      return "corrupt";
+    case CheckpointStatus::Uncommitted:
+      return "uncommitted";
+  }
+  return "?";
+}
+
 std::vector<RetentionDecision> plan_retention(const std::vector<RetentionEntry>& oldest_first,
                                               const RetentionPolicy& policy) {
   if (policy.best_metric() && policy.keep_best() == 0) {

@@ -10,10 +10,12 @@
 #include <limits>
 #include <map>
 
+#include "checkpoint/committed.h"
 #include "compat/torch_compat.h"
 #include "io/atomic_commit.h"
 #include "io/filename.h"
 #include "torchpoint/checkpoint_dir.h"
+#include "torchpoint/checkpoint_manager.h"
 #include "torchpoint/error.h"
 #include "torchpoint/module_state.h"
 #include "torchpoint/optimizer_state.h"
@@ -239,18 +241,9 @@ std::string Accelerator::checkpoints_dir() const {
 
 std::vector<std::pair<std::int64_t, std::string>> Accelerator::list_checkpoints() const {
   std::vector<std::pair<std::int64_t, std::string>> out;
-  std::string dir = checkpoints_dir();
-  if (!env_.stat(dir).is_directory) return out;
-  for (const std::string& name : env_.list_dir(dir)) {
-    auto n = parse_checkpoint_name(name);
-    if (!n) continue;
-    std::string path = join_path(dir, name);
-    // Only committed checkpoints: the manifest is the last file a save writes.
-    if (!env_.stat(join_path(path, kManifestFileName)).exists) continue;
-    out.emplace_back(static_cast<std::int64_t>(*n), path);
+  for (auto& [number, path] : detail::committed_checkpoints(checkpoints_dir(), env_)) {
+    out.emplace_back(static_cast<std::int64_t>(number), std::move(path));
   }
-  // By number, never lexically: checkpoint_10 comes after checkpoint_9.
-  std::sort(out.begin(), out.end());
   return out;
 }
 
@@ -329,13 +322,11 @@ void Accelerator::apply_total_limit(const std::string& just_written) {
       plan_retention(entries, RetentionPolicy().keep_last(limit).delete_corrupt(true));
   for (std::size_t i = 0; i < entries.size(); ++i) {
     if (decisions[i].keep) continue;
-    // Renamed to a temporary name first, so that a crash mid-removal leaves something the next
-    // save sweeps away, never a half-deleted directory that still looks committed.
-    const std::string& path = entries[i].name;
-    std::string doomed = join_path(dir, temp_name(base_name(path)));
-    env_.rename(path, doomed, /*replace=*/false);
-    env_.sync_dir(dir);
-    env_.remove_all(doomed);
+    ListedCheckpoint doomed;
+    doomed.name = base_name(entries[i].name);
+    doomed.path = entries[i].name;
+    doomed.is_directory = true;
+    remove_checkpoint(dir, doomed, env_);
   }
 }
 
@@ -348,29 +339,9 @@ LoadStateReport Accelerator::load_state(const std::string& input_dir) {
   LoadStateReport report;
   std::string path = input_dir;
   if (path.empty()) {
-    auto all = list_checkpoints();
-    for (auto it = all.rbegin(); it != all.rend(); ++it) {
-      VerifyReport verified = verify(it->second, env_);
-      if (verified.ok()) {
-        path = it->second;
-        break;
-      }
-      if (!verified.proven_corrupt()) {
-        // Unreadable (permissions, I/O error) or written by a newer torchpoint: its contents
-        // may be intact. Resuming from an older one would silently lose its progress, and the
-        // next save's total_limit could delete it.
-        throw Error(verified.worst_code(),
-                    fmt::format("the newest checkpoint {} cannot be loaded, and nothing shows it "
-                                "is corrupt, so it is not passed over: {}. Fix the cause (file "
-                                "permissions, the disk, a newer torchpoint) and load again; to "
-                                "resume from an older one instead, move {} aside or pass that "
-                                "one's path to load_state()",
-                                it->second, verified.problems.front(), it->second));
-      }
-      std::string why = fmt::format("{}: {}", it->second, verified.problems.front());
-      std::fprintf(stderr, "torchpoint: skipping invalid checkpoint %s\n", why.c_str());
-      report.skipped.push_back(why);
-    }
+    path = detail::newest_valid(detail::committed_checkpoints(checkpoints_dir(), env_), env_,
+                                &report.skipped)
+               .value_or("");
     if (path.empty()) {
       throw Error(ErrorCode::NotFound,
                   fmt::format("no valid checkpoint under {}{}; save one with save_state() first",

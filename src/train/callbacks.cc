@@ -16,14 +16,18 @@
 #include <limits>
 #include <optional>
 
+#include "checkpoint/committed.h"
 #include "io/filename.h"
 #include "io/posix_error.h"
+#include "torchpoint/checkpoint_manager.h"
 #include "torchpoint/error.h"
 #include "torchpoint/retention.h"
 #include "train/tfevents.h"
 
 namespace torchpoint::callbacks {
 namespace {
+
+using detail::ensure_directory;
 
 // Callbacks that restore a whole run go after the others' on_fit_begin; auto_resume also saves
 // after the others' on_epoch_end.
@@ -53,18 +57,6 @@ void check_monitor(const Context& ctx, const std::string& callback, const std::s
 }
 
 // Creates `dir` and its missing parents; the new entries are made durable.
-void ensure_directory(Env& env, const std::string& dir) {
-  if (dir.empty() || env.stat(dir).is_directory) return;
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) {
-    throw Error(ErrorCode::IOError,
-                fmt::format("cannot create directory {}: {}; check the path and permissions", dir,
-                            ec.message()));
-  }
-  std::string parent = parent_path(dir);
-  env.sync_dir(parent.empty() ? "." : parent);
-}
 
 double metric_value(const Context& ctx, const std::string& monitor) {
   auto it = ctx.metrics.find(monitor);
@@ -255,13 +247,6 @@ class ModelCheckpoint final : public Callback {
   std::vector<Saved> saved_;  // with save_top_k: the files written and kept, oldest first
 };
 
-// The epoch number in a checkpoint file name: after "epoch-" or "epoch_" if present, else the
-// first number. Names without a number sort first.
-std::optional<std::uint64_t> epoch_number(const std::string& name) {
-  std::size_t at = name.find("epoch");
-  return first_number(name, at == std::string::npos ? 0 : at);
-}
-
 class ResumeFromCheckpoint final : public Callback {
  public:
   explicit ResumeFromCheckpoint(ResumeFromCheckpointOptions options)
@@ -294,7 +279,7 @@ class ResumeFromCheckpoint final : public Callback {
     for (const std::string& name : ctx.env->list_dir(path)) {
       if (name.empty() || name[0] == '.' || is_temp_name(name)) continue;
       if (ctx.env->stat(join_path(path, name)).is_directory) continue;
-      candidates.emplace_back(epoch_number(name), name);
+      candidates.emplace_back(checkpoint_number(name), name);
     }
     // Newest first: by epoch number as a number (never lexical order), then by name.
     std::sort(candidates.begin(), candidates.end(),

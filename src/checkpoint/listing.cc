@@ -1,17 +1,16 @@
-#include "listing.h"
-
 #include <fmt/format.h>
 #include <sys/stat.h>
 
 #include <algorithm>
 
-#include "checkpoint_view.h"
+#include "checkpoint/file_metadata.h"
 #include "format/container.h"
 #include "format/manifest.h"
 #include "io/filename.h"
+#include "torchpoint/checkpoint_manager.h"
 #include "torchpoint/error.h"
 
-namespace torchpoint::tool {
+namespace torchpoint {
 namespace {
 
 std::int64_t modified_ms(const std::string& path) {
@@ -34,10 +33,10 @@ std::string final_name_of_temp(const std::string& name) {
   return name.substr(0, name.rfind(".tmp-"));
 }
 
-void describe_directory(Env& env, ListedCheckpoint& entry) {
+void describe_directory(Env& env, ListedCheckpoint& entry, bool check) {
   std::string manifest_path = join_path(entry.path, kManifestFileName);
   FileInfo manifest = env.stat(manifest_path);
-  entry.modified_unix_ms = modified_ms(manifest.exists ? manifest_path : entry.path);
+  entry.commit_time_ms = modified_ms(manifest.exists ? manifest_path : entry.path);
   try {
     for (const std::string& name : env.list_dir(entry.path)) {
       FileInfo info = env.stat(join_path(entry.path, name));
@@ -46,7 +45,7 @@ void describe_directory(Env& env, ListedCheckpoint& entry) {
   } catch (const Error& e) {
     entry.problems.push_back(e.what());
   }
-  if (entry.status == Status::Uncommitted) return;
+  if (entry.status == CheckpointStatus::Uncommitted) return;
   if (!manifest.exists) return;  // never committed
   try {
     Problems throwing;
@@ -56,41 +55,32 @@ void describe_directory(Env& env, ListedCheckpoint& entry) {
   } catch (const Error&) {
     // The manifest is damaged: verify() below reports why, and the entry shows no step.
   }
+  if (!check) return;  // committed: valid as far as this listing looked
   VerifyReport report = verify(entry.path, env);
-  entry.status = report.ok() ? Status::Valid : Status::Corrupt;
+  entry.status = report.ok() ? CheckpointStatus::Valid : CheckpointStatus::Corrupt;
   for (std::string& p : report.problems) entry.problems.push_back(std::move(p));
 }
 
-void describe_file(Env& env, ListedCheckpoint& entry) {
+void describe_file(Env& env, ListedCheckpoint& entry, bool check) {
   entry.size_bytes = env.stat(entry.path).size;
-  entry.modified_unix_ms = modified_ms(entry.path);
-  if (entry.status == Status::Uncommitted) return;
-  VerifyReport report = verify(entry.path, env);
-  entry.status = report.ok() ? Status::Valid : Status::Corrupt;
-  entry.problems = std::move(report.problems);
-  if (entry.status != Status::Valid) return;
-  entry.step = file_checkpoint_step(entry.path);
+  entry.commit_time_ms = modified_ms(entry.path);
+  if (entry.status == CheckpointStatus::Uncommitted) return;
+  if (check) {
+    VerifyReport report = verify(entry.path, env);
+    entry.status = report.ok() ? CheckpointStatus::Valid : CheckpointStatus::Corrupt;
+    entry.problems = std::move(report.problems);
+    if (entry.status != CheckpointStatus::Valid) return;
+  }
+  entry.step = detail::file_checkpoint_step(entry.path);
   // A learner checkpoint's metrics, as a directory checkpoint's manifest metadata has them.
-  if (std::optional<Json> metrics = file_checkpoint_metrics(entry.path)) {
+  if (std::optional<Json> metrics = detail::file_checkpoint_metrics(entry.path)) {
     entry.metadata = Json{{"metrics", *metrics}};
   }
 }
 
 }  // namespace
 
-const char* status_name(Status status) {
-  switch (status) {
-    case Status::Valid:
-      return "valid";
-    case Status::Corrupt:
-      return "corrupt";
-    case Status::Uncommitted:
-      return "uncommitted";
-  }
-  return "?";
-}
-
-Listing list_checkpoints(const std::string& dir, Env& env) {
+CheckpointListing list_checkpoints(const std::string& dir, Env& env, bool check) {
   FileInfo info = env.stat(dir);
   if (!info.exists) throw Error(ErrorCode::NotFound, fmt::format("{} does not exist", dir));
   if (!info.is_directory) {
@@ -105,7 +95,7 @@ Listing list_checkpoints(const std::string& dir, Env& env) {
                             "with `torchpoint show {}`, or list its parent",
                             dir, dir));
   }
-  Listing listing;
+  CheckpointListing listing;
   listing.dir = dir;
   std::string nested = join_path(dir, "checkpoints");
   if (env.stat(nested).is_directory) listing.dir = nested;
@@ -119,19 +109,19 @@ Listing list_checkpoints(const std::string& dir, Env& env) {
     bool temp = is_temp_name(name);
     std::string final_name = temp ? final_name_of_temp(name) : name;
     if (entry.is_directory) {
-      entry.number = parse_checkpoint_name(final_name);
+      entry.number = checkpoint_number(final_name);
       bool has_manifest = env.stat(join_path(entry.path, kManifestFileName)).exists;
       if (!entry.number && !has_manifest && !(temp && is_file_checkpoint_name(final_name))) {
         continue;  // not ours
       }
-      entry.status = temp || !has_manifest ? Status::Uncommitted : Status::Valid;
-      describe_directory(env, entry);
+      entry.status =
+          temp || !has_manifest ? CheckpointStatus::Uncommitted : CheckpointStatus::Valid;
+      describe_directory(env, entry, check);
     } else {
       if (!is_file_checkpoint_name(final_name)) continue;
-      entry.number = parse_checkpoint_name(final_name);
-      if (!entry.number) entry.number = first_number(final_name);
-      entry.status = temp ? Status::Uncommitted : Status::Valid;
-      describe_file(env, entry);
+      entry.number = checkpoint_number(final_name);
+      entry.status = temp ? CheckpointStatus::Uncommitted : CheckpointStatus::Valid;
+      describe_file(env, entry, check);
     }
     // Gone since it was listed: a checkpoint being deleted (renamed to a temporary name
     // first) fails verification only because it is no longer there. Not corrupt, not listed.
@@ -146,7 +136,7 @@ Listing list_checkpoints(const std::string& dir, Env& env) {
               return a.name < b.name;
             });
   for (auto it = listing.entries.rbegin(); it != listing.entries.rend(); ++it) {
-    if (it->status == Status::Valid) {
+    if (it->status == CheckpointStatus::Valid) {
       it->latest = true;
       break;
     }
@@ -154,13 +144,20 @@ Listing list_checkpoints(const std::string& dir, Env& env) {
   return listing;
 }
 
-std::optional<double> manifest_metric(const ListedCheckpoint& entry, const std::string& metric) {
-  if (!entry.metadata.is_object()) return std::nullopt;
-  auto metrics = entry.metadata.find("metrics");
-  if (metrics == entry.metadata.end() || !metrics->is_object()) return std::nullopt;
+std::optional<std::uint64_t> checkpoint_number(const std::string& name) {
+  const std::string final_name = is_temp_name(name) ? final_name_of_temp(name) : name;
+  if (auto n = parse_checkpoint_name(final_name)) return n;
+  std::size_t at = final_name.find("epoch");
+  return first_number(final_name, at == std::string::npos ? 0 : at);
+}
+
+std::optional<double> ListedCheckpoint::metric(const std::string& metric) const {
+  if (!metadata.is_object()) return std::nullopt;
+  auto metrics = metadata.find("metrics");
+  if (metrics == metadata.end() || !metrics->is_object()) return std::nullopt;
   auto value = metrics->find(metric);
   if (value == metrics->end() || !value->is_number()) return std::nullopt;
   return value->get<double>();
 }
 
-}  // namespace torchpoint::tool
+}  // namespace torchpoint

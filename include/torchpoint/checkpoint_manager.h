@@ -1,0 +1,142 @@
+// The checkpoint layer: what a directory of checkpoints holds (listing, numbering, the newest
+// valid one), retention over it, and a CheckpointManager that saves and restores a StatefulSet
+// there. The Accelerator, luz's callbacks and the torchpoint CLI use these same functions.
+#pragma once
+
+#include <torch/arg.h>
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "torchpoint/env.h"
+#include "torchpoint/error.h"
+#include "torchpoint/retention.h"
+#include "torchpoint/state_dict.h"
+#include "torchpoint/stateful_set.h"
+
+namespace torchpoint {
+
+// The number that orders checkpoints, from a name (a temporary's too, for the name it stands
+// for): N of checkpoint_N; for any other name, the number after "epoch" when it has one
+// (run3-epoch-10.ckpt -> 10), else its first decimal number (step_200 -> 200). nullopt when
+// it has none. Numbers compare as numbers: 9 before 10.
+std::optional<std::uint64_t> checkpoint_number(const std::string& name);
+
+// One entry of a directory of checkpoints.
+struct ListedCheckpoint {
+  std::string name;  // entry name in the directory
+  std::string path;
+  bool is_directory = false;
+  std::optional<std::uint64_t> number;  // checkpoint_number(name)
+  CheckpointStatus status = CheckpointStatus::Uncommitted;
+  std::vector<std::string> problems;  // why it is corrupt
+  // The manifest's "step"; for a valid file checkpoint, the step its state records.
+  std::optional<std::int64_t> step;
+  Json metadata;                 // manifest "metadata" (file: {"metrics": ...}); null when unknown
+  std::uint64_t size_bytes = 0;  // all files in it (a directory is not descended into)
+  std::int64_t commit_time_ms = 0;  // Unix time of manifest.json (the commit), else of the entry
+  bool latest = false;              // the newest valid one
+
+  // metadata["metrics"][metric] when it is a number.
+  std::optional<double> metric(const std::string& metric) const;
+};
+
+struct CheckpointListing {
+  std::string dir;                        // where the checkpoints are
+  std::vector<ListedCheckpoint> entries;  // oldest first
+};
+
+// Finds the checkpoints in `dir`, or in `dir`/checkpoints when that exists (a project
+// directory): directories named checkpoint_<N> and other directories holding a manifest.json,
+// files ending in .ckpt or .safetensors, and temporaries of either. Other entries are ignored.
+// Every committed checkpoint is verified (all checksums) unless `verify` is false. An entry that
+// disappears while it is being verified (retention renaming it away) is left out, never called
+// corrupt. Ordered by checkpoint_number (entries without one first, by name); the latest is the
+// last valid one. Throws NotFound for a missing `dir`, InvalidArgument when `dir` is a file or
+// itself a checkpoint. With `verify` false no checkpoint data is read: committed entries are listed
+// as valid (manifests and file headers are still read for steps and metrics).
+CheckpointListing list_checkpoints(const std::string& dir, Env& env = Env::posix(),
+                                   bool verify = true);
+
+// The decisions of `policy` over `listing` (see plan_retention), entry by entry.
+// Each entry's metric is ListedCheckpoint::metric(policy.best_metric()).
+std::vector<RetentionDecision> plan_retention(const CheckpointListing& listing,
+                                              const RetentionPolicy& policy);
+
+// Deletes one checkpoint of `dir` so that a crash midway never leaves a damaged checkpoint
+// under its name: a directory is first renamed to a temporary name, which the next save into
+// `dir` sweeps away. The caller holds the directory's lock.
+void remove_checkpoint(const std::string& dir, const ListedCheckpoint& entry, Env& env);
+
+struct CheckpointManagerOptions {
+  // Applied after every committed save (none by default: every checkpoint is kept).
+  TORCH_ARG(RetentionPolicy, retention);
+};
+
+// A directory of checkpoints named checkpoint_<N>, for a training loop of your own. Each
+// checkpoint is a directory checkpoint (docs/format.md) holding one file per component of the
+// StatefulSet, with the step and metrics recorded in its manifest, so that `torchpoint ls`
+// shows them and `prune --keep-best` and the retention policy can use them.
+//
+// Example:
+//   torchpoint::StatefulSet state;
+//   state.add("model", torchpoint::ModuleState(model));
+//   state.add("optimizer", torchpoint::OptimizerState(optimizer));
+//   torchpoint::CheckpointManager manager("runs/a/checkpoints",
+//       torchpoint::CheckpointManagerOptions().retention(
+//           torchpoint::RetentionPolicy().keep_last(3).best_metric("val_loss")));
+//   std::int64_t step = 0;
+//   if (auto latest = manager.try_latest()) step = manager.restore(state, *latest).step;
+//   for (; step < steps; ++step) {
+//     ...;
+//     if (step % 100 == 0) manager.save(state, step, {{"val_loss", val_loss}});
+//   }
+class CheckpointManager {
+ public:
+  // `dir` need not exist yet. `env`: Env::posix() when null.
+  explicit CheckpointManager(std::string dir,
+                             CheckpointManagerOptions options = CheckpointManagerOptions(),
+                             Env* env = nullptr);
+
+  const std::string& dir() const { return dir_; }
+
+  // Every checkpoint, verified (list_checkpoints of dir()); empty when dir() does not exist.
+  CheckpointListing list() const;
+
+  // The path of the newest valid committed checkpoint, verifying newest first only until one
+  // passes; nullopt when there is none. One proven corrupt by its own checksums is passed over
+  // with a warning on stderr naming it; one that cannot be judged (unreadable, or written by a
+  // newer torchpoint) is an error naming it, never passed over, since resuming from an older
+  // one would silently lose its progress.
+  std::optional<std::string> try_latest() const;
+  // The same, but NotFound when there is none.
+  std::string latest() const;
+
+  // Writes `state` as checkpoint_<N> (N one past the largest number there), atomically, with
+  // `step` and `metrics` in its manifest, then applies the retention policy. Returns its path.
+  // On failure every committed checkpoint is kept.
+  std::string save(const StatefulSet& state, std::int64_t step,
+                   const std::map<std::string, double>& metrics = {});
+
+  struct Restored {
+    std::string path;
+    std::int64_t step = 0;
+    RestoreReport report;
+  };
+  // Restores `state` from the checkpoint at `path` (latest() when empty): every file verified
+  // and every component matched before anything changes (StatefulSet::restore's contract).
+  Restored restore(StatefulSet& state, const std::string& path = "");
+
+  // Applies the retention policy now; returns the paths deleted.
+  std::vector<std::string> apply_retention();
+
+ private:
+  std::string dir_;
+  CheckpointManagerOptions options_;
+  Env* env_;
+};
+
+}  // namespace torchpoint

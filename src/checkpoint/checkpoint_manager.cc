@@ -1,0 +1,196 @@
+#include "torchpoint/checkpoint_manager.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+
+#include "checkpoint/committed.h"
+#include "format/manifest.h"
+#include "io/atomic_commit.h"
+#include "io/filename.h"
+#include "torchpoint/checkpoint_dir.h"
+#include "torchpoint/tensor_file.h"
+
+namespace torchpoint {
+namespace detail {
+
+std::vector<std::pair<std::uint64_t, std::string>> committed_checkpoints(const std::string& dir,
+                                                                         Env& env) {
+  std::vector<std::pair<std::uint64_t, std::string>> out;
+  if (!env.stat(dir).is_directory) return out;
+  for (const std::string& name : env.list_dir(dir)) {
+    std::optional<std::uint64_t> n = parse_checkpoint_name(name);
+    if (!n) continue;
+    std::string path = join_path(dir, name);
+    if (!env.stat(join_path(path, kManifestFileName)).exists) continue;
+    out.emplace_back(*n, path);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::uint64_t next_checkpoint_number(const std::string& dir, Env& env) {
+  std::uint64_t next = 0;
+  if (!env.stat(dir).is_directory) return next;
+  for (const std::string& name : env.list_dir(dir)) {
+    if (std::optional<std::uint64_t> n = parse_checkpoint_name(name)) next = std::max(next, *n + 1);
+  }
+  return next;
+}
+
+std::optional<std::string> newest_valid(
+    const std::vector<std::pair<std::uint64_t, std::string>>& oldest_first, Env& env,
+    std::vector<std::string>* skipped) {
+  for (auto it = oldest_first.rbegin(); it != oldest_first.rend(); ++it) {
+    VerifyReport verified = verify(it->second, env);
+    if (verified.ok()) return it->second;
+    if (!verified.proven_corrupt()) {
+      // Unreadable (permissions, I/O error) or written by a newer torchpoint: its contents may
+      // be intact. Resuming from an older one would silently lose its progress, and retention
+      // could then delete it.
+      throw Error(verified.worst_code(),
+                  fmt::format("the newest checkpoint {} cannot be loaded, and nothing shows it "
+                              "is corrupt, so it is not passed over: {}. Fix the cause (file "
+                              "permissions, the disk, a newer torchpoint) and load again; to "
+                              "resume from an older one instead, move {} aside or pass that "
+                              "one's path",
+                              it->second, verified.problems.front(), it->second));
+    }
+    std::string why = fmt::format("{}: {}", it->second, verified.problems.front());
+    std::fprintf(stderr, "torchpoint: skipping invalid checkpoint %s\n", why.c_str());
+    if (skipped != nullptr) skipped->push_back(why);
+  }
+  return std::nullopt;
+}
+
+void ensure_directory(Env& env, const std::string& dir) {
+  if (dir.empty() || env.stat(dir).is_directory) return;
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) {
+    throw Error(ErrorCode::IOError,
+                fmt::format("cannot create directory {}: {}; check the path and permissions", dir,
+                            ec.message()));
+  }
+  std::string parent = parent_path(dir);
+  env.sync_dir(parent.empty() ? "." : parent);
+}
+
+}  // namespace detail
+
+std::vector<RetentionDecision> plan_retention(const CheckpointListing& listing,
+                                              const RetentionPolicy& policy) {
+  std::vector<RetentionEntry> entries;
+  for (const ListedCheckpoint& e : listing.entries) {
+    RetentionEntry r;
+    r.name = e.name;
+    r.status = e.status;
+    r.step = e.step;
+    if (policy.best_metric()) r.metric = e.metric(*policy.best_metric());
+    r.commit_time_ms = e.commit_time_ms;
+    entries.push_back(std::move(r));
+  }
+  return plan_retention(entries, policy);
+}
+
+void remove_checkpoint(const std::string& dir, const ListedCheckpoint& entry, Env& env) {
+  if (!entry.is_directory) {
+    env.remove_file(entry.path);
+    return;
+  }
+  std::string doomed = join_path(dir, temp_name(entry.name));
+  env.rename(entry.path, doomed, /*replace=*/false);
+  env.sync_dir(dir);
+  env.remove_all(doomed);
+}
+
+CheckpointManager::CheckpointManager(std::string dir, CheckpointManagerOptions options, Env* env)
+    : dir_(std::move(dir)), options_(std::move(options)), env_(env ? env : &Env::posix()) {
+  if (dir_.empty()) {
+    throw Error(ErrorCode::InvalidArgument, "CheckpointManager needs a directory");
+  }
+}
+
+CheckpointListing CheckpointManager::list() const {
+  if (!env_->stat(dir_).is_directory) return {dir_, {}};
+  return list_checkpoints(dir_, *env_);
+}
+
+std::optional<std::string> CheckpointManager::try_latest() const {
+  return detail::newest_valid(detail::committed_checkpoints(dir_, *env_), *env_);
+}
+
+std::string CheckpointManager::latest() const {
+  std::optional<std::string> path = try_latest();
+  if (!path) {
+    throw Error(ErrorCode::NotFound,
+                fmt::format("no valid checkpoint under {}; save one first (or use try_latest() "
+                            "to start fresh when there is none)",
+                            dir_));
+  }
+  return *path;
+}
+
+std::string CheckpointManager::save(const StatefulSet& state, std::int64_t step,
+                                    const std::map<std::string, double>& metrics) {
+  detail::ensure_directory(*env_, dir_);
+  const std::uint64_t number = detail::next_checkpoint_number(dir_, *env_);
+  const std::string path = join_path(dir_, checkpoint_name(number));
+  StateDict all = state.state_dict();
+  std::vector<Component> components;
+  for (const std::string& name : state.names()) {
+    components.push_back({name, all.child(name).to_container()});
+  }
+  CheckpointInfo info;
+  info.step = step;
+  info.iteration = static_cast<std::int64_t>(number);
+  Json recorded = Json::object();
+  for (const auto& [name, value] : metrics) {
+    // JSON has no NaN or infinity: such a value is left out (it can never be the best).
+    if (std::isfinite(value)) recorded[name] = value;
+  }
+  info.metadata = {{"metrics", recorded}};
+  save_directory(path, components, info, *env_);
+  apply_retention();
+  return path;
+}
+
+CheckpointManager::Restored CheckpointManager::restore(StatefulSet& state,
+                                                       const std::string& path) {
+  Restored out;
+  out.path = path.empty() ? latest() : path;
+  DirectoryCheckpoint checkpoint = load_directory(out.path, *env_);
+  StateDict all;
+  for (const Component& c : checkpoint.components) {
+    all.set_child(c.name, StateDict::from_container(c.contents));
+  }
+  out.report = state.restore(all);
+  out.step = checkpoint.info.step;
+  return out;
+}
+
+std::vector<std::string> CheckpointManager::apply_retention() {
+  const RetentionPolicy& policy = options_.retention();
+  std::vector<std::string> deleted;
+  if (!policy.keep_last() && !policy.best_metric() && !policy.keep_every_n_steps() &&
+      !policy.keep_period_ms()) {
+    return deleted;
+  }
+  ProjectLock lock(*env_, dir_);
+  // Not verified: reading every checkpoint at each save would cost more than the save. A
+  // committed checkpoint counts as valid here; the newest valid one is what try_latest() finds.
+  CheckpointListing listing = list_checkpoints(dir_, *env_, /*verify=*/false);
+  std::vector<RetentionDecision> decisions = plan_retention(listing, policy);
+  for (std::size_t i = 0; i < decisions.size(); ++i) {
+    if (decisions[i].keep) continue;
+    remove_checkpoint(listing.dir, listing.entries[i], *env_);
+    deleted.push_back(listing.entries[i].path);
+  }
+  if (!deleted.empty()) env_->sync_dir(listing.dir);
+  return deleted;
+}
+
+}  // namespace torchpoint
