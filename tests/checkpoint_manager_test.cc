@@ -1,0 +1,136 @@
+// CheckpointManager in a loop of the user's own: save with step and metrics, retention after
+// each commit, the newest valid checkpoint, and an exact restore; what `torchpoint ls` and
+// `prune` read is the same listing.
+#include "torchpoint/checkpoint_manager.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "testing/test_util.h"
+#include "torchpoint/module_state.h"
+#include "torchpoint/optimizer_state.h"
+
+namespace torchpoint {
+namespace {
+
+using testing::expect_error;
+using testing::TempDir;
+
+// A model and its optimizer, trained on fixed data.
+struct Job {
+  explicit Job(std::uint64_t init_seed) {
+    torch::manual_seed(init_seed);
+    model = torch::nn::Linear(10, 1);
+    optimizer =
+        std::make_shared<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-2));
+    state.add("model", ModuleState(model.ptr()));
+    state.add("optimizer", OptimizerState(optimizer));
+  }
+  void train(int steps) {
+    torch::manual_seed(5);
+    auto x = torch::randn({32, 10}), y = torch::randn({32, 1});
+    for (int i = 0; i < steps; ++i) {
+      optimizer->zero_grad();
+      torch::mse_loss(model->forward(x), y).backward();
+      optimizer->step();
+    }
+  }
+  torch::nn::Linear model{nullptr};
+  std::shared_ptr<torch::optim::Adam> optimizer;
+  StatefulSet state;
+};
+
+std::vector<std::string> names(const CheckpointListing& listing) {
+  std::vector<std::string> out;
+  for (const ListedCheckpoint& e : listing.entries) out.push_back(e.name);
+  return out;
+}
+
+TEST(CheckpointManager, SavesListsKeepsTheBestAndLastAndRestoresExactly) {
+  TempDir dir;
+  const std::string ckpts = dir / "run/checkpoints";
+  CheckpointManager manager(ckpts, CheckpointManagerOptions().retention(
+                                       RetentionPolicy().keep_last(2).best_metric("val_loss")));
+  EXPECT_FALSE(manager.try_latest().has_value()) << "a fresh project has nothing to resume";
+  EXPECT_TRUE(manager.list().entries.empty());
+  expect_error([&] { manager.latest(); }, ErrorCode::NotFound, {"no valid checkpoint", ckpts});
+
+  Job job(1);
+  const std::vector<double> val_loss = {0.5, 0.2, 0.4, 0.3, 0.6, 0.7};
+  for (std::size_t i = 0; i < val_loss.size(); ++i) {
+    job.train(10);
+    std::string path = manager.save(job.state, 10 * static_cast<std::int64_t>(i + 1),
+                                    {{"val_loss", val_loss[i]}, {"nan", std::nan("")}});
+    EXPECT_EQ(path, ckpts + "/checkpoint_" + std::to_string(i));
+  }
+  // The best (0.2, checkpoint_1) and the last two stay.
+  CheckpointListing listing = manager.list();
+  EXPECT_EQ(names(listing),
+            (std::vector<std::string>{"checkpoint_1", "checkpoint_4", "checkpoint_5"}));
+  ASSERT_EQ(listing.entries.size(), 3u);
+  EXPECT_EQ(listing.entries[0].step, 20);
+  EXPECT_EQ(listing.entries[0].metric("val_loss"), 0.2);
+  EXPECT_EQ(listing.entries[0].metric("nan"), std::nullopt) << "a NaN is not recorded";
+  EXPECT_EQ(listing.entries[2].status, CheckpointStatus::Valid);
+  EXPECT_TRUE(listing.entries[2].latest);
+  EXPECT_EQ(manager.latest(), ckpts + "/checkpoint_5");
+
+  // Training on from the checkpoint gives the bits of training on without stopping.
+  job.train(5);
+  Job resumed(99);
+  CheckpointManager::Restored r = manager.restore(resumed.state);
+  EXPECT_EQ(r.path, ckpts + "/checkpoint_5");
+  EXPECT_EQ(r.step, 60);
+  EXPECT_EQ(r.report.restored, (std::vector<std::string>{"model", "optimizer"}));
+  resumed.train(5);
+  EXPECT_TRUE(testing::bitwise_equal(resumed.model->weight, job.model->weight));
+  EXPECT_TRUE(testing::bitwise_equal(resumed.model->bias, job.model->bias));
+
+  // Numbering goes on after the largest number, never reusing one.
+  EXPECT_EQ(manager.save(job.state, 70, {{"val_loss", 0.9}}), ckpts + "/checkpoint_6");
+}
+
+// The newest checkpoint proven corrupt by its own checksums is passed over; one that cannot be
+// judged (written by a newer torchpoint) is an error naming it, never passed over.
+TEST(CheckpointManager, TryLatestPassesOverCorruptButNotUnjudgeable) {
+  TempDir dir;
+  CheckpointManager manager(dir / "c");
+  Job job(1);
+  for (int step : {1, 2, 3}) manager.save(job.state, step);
+  EXPECT_EQ(manager.list().entries.size(), 3u) << "no retention rule: all kept";
+  std::string bad = dir / "c/checkpoint_2/model.safetensors";
+  testing::flip_bit(bad, testing::file_size(bad) - 3, 1);
+  EXPECT_EQ(manager.try_latest(), dir / "c/checkpoint_1");
+  EXPECT_EQ(manager.list().entries[2].status, CheckpointStatus::Corrupt);
+
+  manager.save(job.state, 4);  // checkpoint_3
+  testing::make_manifest_newer(dir / "c/checkpoint_3/manifest.json");
+  expect_error([&] { manager.try_latest(); }, ErrorCode::Incompatible,
+               {dir / "c/checkpoint_3", "not passed over"});
+}
+
+// A checkpoint that does not fit is refused before anything changes.
+TEST(CheckpointManager, ARestoreThatDoesNotFitChangesNothing) {
+  TempDir dir;
+  CheckpointManager manager(dir / "c");
+  Job job(1);
+  StatefulSet model_only;
+  model_only.add("model", ModuleState(job.model.ptr()));
+  std::string path = manager.save(model_only, 1);
+
+  Job other(2);
+  at::Tensor before = other.model->weight.clone();
+  expect_error([&] { manager.restore(other.state, path); }, ErrorCode::Incompatible, {"optimizer"});
+  EXPECT_TRUE(testing::bitwise_equal(other.model->weight, before));
+
+  torch::nn::Linear wide(20, 1);
+  StatefulSet wide_set;
+  wide_set.add("model", ModuleState(wide.ptr()));
+  at::Tensor wide_before = wide->weight.clone();
+  expect_error([&] { manager.restore(wide_set); }, ErrorCode::Incompatible, {"weight"});
+  EXPECT_TRUE(testing::bitwise_equal(wide->weight, wide_before));
+  expect_error([] { CheckpointManager(""); }, ErrorCode::InvalidArgument, {"directory"});
+}
+
+}  // namespace
+}  // namespace torchpoint
