@@ -220,6 +220,43 @@ TEST(Sampler, SkipFirstBatchesDoesNotReadSkippedSamplesAndNextEpochIsWhole) {
   EXPECT_EQ(sampler.epoch(), 1);
 }
 
+// next_epoch() is what the next loop over the loader iterates: what an epoch loop resumes from.
+TEST(Sampler, NextEpochIsTheEpochTheNextLoopIterates) {
+  struct Numbers : torch::data::datasets::Dataset<Numbers> {
+    torch::data::Example<> get(std::size_t i) override {
+      return {torch::full({1}, static_cast<double>(i)), torch::zeros({1})};
+    }
+    c10::optional<std::size_t> size() const override { return 8; }
+  };
+  ResumableSampler sampler(8, true, 3);
+  auto loader =
+      torch::data::make_data_loader(Numbers().map(torch::data::transforms::Stack<>()), sampler,
+                                    torch::data::DataLoaderOptions().batch_size(4));
+  EXPECT_EQ(sampler.next_epoch(), 0) << "fresh";
+  StateDict mid, last_batch, finished;
+  int batches = 0;
+  for (auto& batch : sampler.track(*loader)) {
+    (void)batch;
+    if (++batches == 1) mid = sampler.state_dict();
+    if (batches == 2) last_batch = sampler.state_dict();  // in the body of the last batch
+  }
+  finished = sampler.state_dict();
+  EXPECT_EQ(sampler.next_epoch(), 1) << "epoch 0's loop ended";
+  for (const auto& [state, want] :
+       std::vector<std::pair<StateDict, std::int64_t>>{{mid, 0}, {last_batch, 0}, {finished, 1}}) {
+    ResumableSampler restored(8, true, 3);
+    restored.load_state_dict(state);
+    EXPECT_EQ(restored.next_epoch(), want);
+    auto again =
+        torch::data::make_data_loader(Numbers().map(torch::data::transforms::Stack<>()), restored,
+                                      torch::data::DataLoaderOptions().batch_size(4));
+    for (auto& batch : restored.track(*again)) (void)batch;
+    EXPECT_EQ(restored.epoch(), want) << "the loop iterated the epoch next_epoch() named";
+  }
+  sampler.set_epoch(5);
+  EXPECT_EQ(sampler.next_epoch(), 5);
+}
+
 TEST(Sampler, StateOfAnotherDataSetIsIncompatible) {
   ResumableSampler a(10, true, 1), b(11, true, 1);
   try {

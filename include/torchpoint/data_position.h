@@ -72,6 +72,10 @@ class ResumableSampler : public torch::data::samplers::Sampler<> {
   std::int64_t epoch() const { return cursor_->epoch; }
   std::size_t samples_consumed() const { return cursor_->consumed; }
   std::size_t size() const { return cursor_->size; }
+  // The epoch the next begin() iterates: the restored or skipped-into one, else the one after
+  // the current (0 before the first). After load_state, an epoch loop resumes with
+  //   for (auto epoch = sampler.next_epoch(); epoch < epochs; ++epoch) { for (auto& b : loader) }
+  std::int64_t next_epoch() const;
   // Sets the epoch the next begin() starts (like DistributedSampler::set_epoch).
   void set_epoch(std::int64_t epoch);
   // The training loop received `samples` more samples (track() calls this for you).

@@ -129,6 +129,13 @@ void ResumableSampler::skip_first_batches(std::size_t batches, std::size_t batch
   c.finished = false;
 }
 
+std::int64_t ResumableSampler::next_epoch() const {
+  const detail::SamplerCursor& c = *cursor_;
+  // What reset() will do: continue a pending position, else begin the next epoch once one has
+  // started.
+  return c.resume_pending || !c.started ? c.epoch : c.epoch + 1;
+}
+
 bool ResumableSampler::consumed_but_unfinished() const {
   const detail::SamplerCursor& c = *cursor_;
   return c.started && !c.finished && c.consumed >= c.size;

@@ -1,10 +1,14 @@
-"""The README's crash-and-resume loop is the one examples/accelerate_resume.cc runs, and it works.
+"""A README loop is the one an example runs, and it works.
 
-1. The code between the "// [loop]" and "// [loop end]" markers of the example, joined, appears
+Usage: accelerate_resume_check.py BINARY SOURCE README SCRATCH [KILL_STEPS]
+
+1. The code between the "// [loop]" and "// [loop end]" markers of SOURCE, joined, appears
    verbatim in README.md.
-2. A run killed with SIGKILL right after the step that ends an epoch (so the resume has
-   resume_step 0), then run again, trains on exactly the batches the uninterrupted run trained
-   on after that checkpoint, and ends with the same weights, to the last printed digit.
+2. For each step of KILL_STEPS (comma-separated; by default 14, right after the step that ends
+   epoch 1, so examples/accelerate_resume.cc resumes with resume_step 0): a run killed with
+   SIGKILL after that step's checkpoint, then run again, trains on exactly the batches the
+   uninterrupted run trained on after it, and ends with the same weights, to the last printed
+   digit.
 """
 import os
 import shutil
@@ -44,24 +48,29 @@ whole = run(os.path.join(scratch, "whole"))
 if whole.returncode != 0:
     problems.append("the uninterrupted run failed: %s" % whole.stderr)
 lines = whole.stdout.splitlines()
-per_epoch = 7  # 50 samples in batches of 8
-kill_after = 2 * per_epoch  # a checkpoint at the last batch of epoch 1
-killed = run(os.path.join(scratch, "killed"), "--kill-after-step", str(kill_after))
-if killed.returncode != -signal.SIGKILL:
-    problems.append("the run to be killed exited with %d: %s" % (killed.returncode, killed.stderr))
-resumed = run(os.path.join(scratch, "killed"))
-if resumed.returncode != 0:
-    problems.append("the resumed run failed: %s" % resumed.stderr)
-expected = [l for l in lines if l.startswith("batch ") and int(l.split()[1][:-1]) > kill_after]
-got = [l for l in resumed.stdout.splitlines() if l.startswith("batch ")]
-if got != expected:
-    problems.append("the resumed run trained on other batches:\n%s\nexpected:\n%s"
-                    % ("\n".join(got[:5]), "\n".join(expected[:5])))
-if not lines or resumed.stdout.splitlines()[-1:] != lines[-1:]:
-    problems.append("final weights differ: %s vs %s" % (resumed.stdout.splitlines()[-1:], lines[-1:]))
+kill_steps = [int(k) for k in (sys.argv[5] if len(sys.argv) > 5 else "14").split(",")]
+compared = 0
+for kill_after in kill_steps:
+    project = os.path.join(scratch, "killed-%d" % kill_after)
+    killed = run(project, "--kill-after-step", str(kill_after))
+    if killed.returncode != -signal.SIGKILL:
+        problems.append("the run to be killed at step %d exited with %d: %s"
+                        % (kill_after, killed.returncode, killed.stderr))
+    resumed = run(project)
+    if resumed.returncode != 0:
+        problems.append("the run resumed after step %d failed: %s" % (kill_after, resumed.stderr))
+    expected = [l for l in lines if l.startswith("batch ") and int(l.split()[1][:-1]) > kill_after]
+    got = [l for l in resumed.stdout.splitlines() if l.startswith("batch ")]
+    if got != expected:
+        problems.append("the run resumed after step %d trained on other batches:\n%s\nexpected:\n%s"
+                        % (kill_after, "\n".join(got[:5]), "\n".join(expected[:5])))
+    if not lines or resumed.stdout.splitlines()[-1:] != lines[-1:]:
+        problems.append("after a kill at step %d, final weights differ: %s vs %s"
+                        % (kill_after, resumed.stdout.splitlines()[-1:], lines[-1:]))
+    compared += len(expected)
 
 for p in problems:
     print(p)
-print("accelerate_resume: %s (%d batches after the kill compared)"
-      % ("FAILED" if problems else "ok", len(expected)))
+print("%s: %s (%d batches after %d kills compared)"
+      % (os.path.basename(binary), "FAILED" if problems else "ok", compared, len(kill_steps)))
 sys.exit(1 if problems else 0)
