@@ -34,7 +34,8 @@ if [[ ! -f build-san/build.ninja ]]; then
 fi
 
 # The tests of every layer (crash_test also builds its child) and the CLI.
-tests=(storage_test fault_test crash_test state_test interop_test accelerator_test learner_test)
+tests=(storage_test fault_test crash_test state_test interop_test retention_test accelerator_test
+  learner_test)
 fuzzers=(container_fuzz manifest_fuzz filename_fuzz torch_zip_fuzz)
 /usr/bin/cmake --build build-san --target "${tests[@]}" "${fuzzers[@]}" torchpoint_cli
 
@@ -76,7 +77,7 @@ run_all \
   "fault_test|build-san/tests/fault_test --gtest_filter=-*errno28*:*errno122*:*errno27*" \
   "crash_test|TORCHPOINT_CRASH_KILLS=30 build-san/tests/crash_test"
 run_all \
-  "state_test|build-san/tests/state_test && build-san/tests/interop_test" \
+  "state_test|build-san/tests/state_test && build-san/tests/interop_test && build-san/tests/retention_test" \
   "accelerator_test|build-san/tests/accelerator_test" \
   "learner_test|build-san/tests/learner_test" \
   "consumer|/usr/bin/ctest --test-dir build-san -R consumer_find_package --output-on-failure"
