@@ -109,6 +109,40 @@ TEST(CheckpointManager, TryLatestPassesOverCorruptButNotUnjudgeable) {
                {dir / "c/checkpoint_3", "not passed over"});
 }
 
+// Names from a template: ordered by the step as a number (step-9 before step-10), found by
+// try_latest, and read back with their epoch and metrics; a template that cannot be formatted
+// or would order by another number is refused with the fields there are.
+TEST(CheckpointManager, NameFormatWithStepEpochAndMetrics) {
+  TempDir dir;
+  CheckpointManager manager(dir / "c",
+                            CheckpointManagerOptions()
+                                .name_format("step-{step}-epoch-{epoch:02d}-loss-{loss:.2f}")
+                                .retention(RetentionPolicy().keep_last(3)));
+  Job job(1);
+  for (std::int64_t step : {8, 9, 10, 11}) {
+    manager.save(job.state, step, {{"loss", 1.0 / static_cast<double>(step)}}, step / 4);
+  }
+  CheckpointListing listing = manager.list();
+  std::vector<std::string> want = {"step-9-epoch-02-loss-0.11", "step-10-epoch-02-loss-0.10",
+                                   "step-11-epoch-02-loss-0.09"};
+  EXPECT_EQ(names(listing), want) << "step 8 went: the last 3 by step, not by text";
+  EXPECT_EQ(listing.entries.back().metadata["epoch"], 2);
+  EXPECT_EQ(manager.latest(), dir / "c/" + want.back());
+
+  expect_error(
+      [&] { CheckpointManager(dir / "d", CheckpointManagerOptions().name_format("best")); },
+      ErrorCode::InvalidArgument, {"{n}, {step} or {epoch}"});
+  CheckpointManager typo(dir / "e", CheckpointManagerOptions().name_format("step-{step}-{acc}"));
+  expect_error(
+      [&] {
+        typo.save(job.state, 1, {{"loss", 0.5}});
+      },
+      ErrorCode::InvalidArgument, {"cannot be formatted", "{n}, {step}, {loss}"});
+  CheckpointManager run3(dir / "f", CheckpointManagerOptions().name_format("run3-step-{step}"));
+  expect_error([&] { run3.save(job.state, 7); }, ErrorCode::InvalidArgument,
+               {"would be ordered by 3"});
+}
+
 // A checkpoint that does not fit is refused before anything changes.
 TEST(CheckpointManager, ARestoreThatDoesNotFitChangesNothing) {
   TempDir dir;

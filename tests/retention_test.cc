@@ -9,7 +9,9 @@
 #include <string>
 #include <vector>
 
+#include "io/filename.h"
 #include "testing/test_util.h"
+#include "torchpoint/checkpoint_manager.h"
 
 namespace torchpoint {
 namespace {
@@ -48,7 +50,8 @@ TEST(Retention, NoRuleKeepsEverything) {
   auto entries = numbered({1, 2, 3});
   EXPECT_EQ(kept(entries, RetentionPolicy()),
             (Names{"checkpoint_1", "checkpoint_2", "checkpoint_3"}));
-  EXPECT_TRUE(plan_retention({}, RetentionPolicy().keep_last(2)).empty());
+  EXPECT_TRUE(
+      plan_retention(std::vector<RetentionEntry>{}, RetentionPolicy().keep_last(2)).empty());
 }
 
 TEST(Retention, KeepLastCountsValidOnesAcrossDigitBoundaries) {
@@ -132,6 +135,23 @@ TEST(Retention, KeepEveryNStepsAndOnePerPeriod) {
   // Committed at 1..7 s; periods of 2.5 s: [0, 2.5) [2.5, 5) [5, 7.5) keep 2, 4 and 7.
   EXPECT_EQ(kept(numbered({1, 2, 3, 4, 5, 6, 7}), RetentionPolicy().keep_period_ms(2500)),
             (Names{"checkpoint_2", "checkpoint_4", "checkpoint_7"}));
+}
+
+// The one numbering rule of listings and resume_from_checkpoint, and its tie-break.
+TEST(Retention, CheckpointNumbersAndNaturalOrder) {
+  EXPECT_EQ(checkpoint_number("checkpoint_10"), 10u);
+  EXPECT_EQ(checkpoint_number("checkpoint_10.tmp-12-ab"), 10u) << "a temporary: its final name";
+  EXPECT_EQ(checkpoint_number("run3-epoch-10.ckpt"), 10u);
+  EXPECT_EQ(checkpoint_number("epoch-03-loss-1.2.ckpt"), 3u);
+  EXPECT_EQ(checkpoint_number("step_200"), 200u);
+  EXPECT_EQ(checkpoint_number("best.ckpt"), std::nullopt);
+  EXPECT_TRUE(natural_less("step-9-a", "step-10-a"));
+  EXPECT_FALSE(natural_less("step-10-a", "step-9-a"));
+  EXPECT_TRUE(natural_less("99999", "100000"));
+  EXPECT_TRUE(natural_less("a-007", "a-7")) << "more leading zeros first";
+  EXPECT_TRUE(natural_less("a", "a-1"));
+  EXPECT_FALSE(natural_less("x", "x"));
+  EXPECT_TRUE(natural_less("loss-0.09", "loss-0.10"));
 }
 
 TEST(Retention, BadPoliciesAreRefused) {

@@ -54,7 +54,8 @@ struct CheckpointListing {
 // files ending in .ckpt or .safetensors, and temporaries of either. Other entries are ignored.
 // Every committed checkpoint is verified (all checksums) unless `verify` is false. An entry that
 // disappears while it is being verified (retention renaming it away) is left out, never called
-// corrupt. Ordered by checkpoint_number (entries without one first, by name); the latest is the
+// corrupt. Ordered by checkpoint_number, ties and entries without one (those first) by name
+// in natural order (step-9 before step-10); the latest is the
 // last valid one. Throws NotFound for a missing `dir`, InvalidArgument when `dir` is a file or
 // itself a checkpoint. With `verify` false no checkpoint data is read: committed entries are listed
 // as valid (manifests and file headers are still read for steps and metrics).
@@ -74,6 +75,12 @@ void remove_checkpoint(const std::string& dir, const ListedCheckpoint& entry, En
 struct CheckpointManagerOptions {
   // Applied after every committed save (none by default: every checkpoint is kept).
   TORCH_ARG(RetentionPolicy, retention);
+  // How checkpoints are named, in fmt syntax: {n} (one past the largest checkpoint number in
+  // the directory), {step}, {epoch} (when save() is given one) and every metric passed to
+  // save(), each with a format spec if wanted: "step-{step:08d}",
+  // "epoch-{epoch:03d}-{val_loss:.3f}". Checkpoints are ordered by checkpoint_number() of their
+  // names, so a format must use {n}, {step} or {epoch}, before any other number.
+  TORCH_ARG(std::string, name_format) = "checkpoint_{n}";
 };
 
 // A directory of checkpoints named checkpoint_<N>, for a training loop of your own. Each
@@ -115,11 +122,14 @@ class CheckpointManager {
   // The same, but NotFound when there is none.
   std::string latest() const;
 
-  // Writes `state` as checkpoint_<N> (N one past the largest number there), atomically, with
-  // `step` and `metrics` in its manifest, then applies the retention policy. Returns its path.
-  // On failure every committed checkpoint is kept.
+  // Writes `state` atomically as a checkpoint named by name_format (checkpoint_<N> by default),
+  // with `step`, `metrics` and `epoch` in its manifest, then applies the retention policy.
+  // Returns its path. On failure every committed checkpoint is kept. Throws InvalidArgument
+  // when the name cannot be formatted (naming the fields there are); save_directory's error
+  // when a committed checkpoint already has that name (the same step saved twice).
   std::string save(const StatefulSet& state, std::int64_t step,
-                   const std::map<std::string, double>& metrics = {});
+                   const std::map<std::string, double>& metrics = {},
+                   std::optional<std::int64_t> epoch = std::nullopt);
 
   struct Restored {
     std::string path;
@@ -134,6 +144,9 @@ class CheckpointManager {
   std::vector<std::string> apply_retention();
 
  private:
+  std::string name_for(std::uint64_t n, std::int64_t step,
+                       const std::map<std::string, double>& metrics,
+                       std::optional<std::int64_t> epoch) const;
   std::string dir_;
   CheckpointManagerOptions options_;
   Env* env_;

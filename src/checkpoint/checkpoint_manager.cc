@@ -1,5 +1,6 @@
 #include "torchpoint/checkpoint_manager.h"
 
+#include <fmt/args.h>
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -18,17 +19,21 @@ namespace torchpoint {
 namespace detail {
 
 std::vector<std::pair<std::uint64_t, std::string>> committed_checkpoints(const std::string& dir,
-                                                                         Env& env) {
+                                                                         Env& env, bool any_name) {
   std::vector<std::pair<std::uint64_t, std::string>> out;
   if (!env.stat(dir).is_directory) return out;
   for (const std::string& name : env.list_dir(dir)) {
-    std::optional<std::uint64_t> n = parse_checkpoint_name(name);
+    if (is_temp_name(name)) continue;
+    std::optional<std::uint64_t> n =
+        any_name ? checkpoint_number(name) : parse_checkpoint_name(name);
     if (!n) continue;
     std::string path = join_path(dir, name);
     if (!env.stat(join_path(path, kManifestFileName)).exists) continue;
     out.emplace_back(*n, path);
   }
-  std::sort(out.begin(), out.end());
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
+    return a.first != b.first ? a.first < b.first : natural_less(a.second, b.second);
+  });
   return out;
 }
 
@@ -36,7 +41,7 @@ std::uint64_t next_checkpoint_number(const std::string& dir, Env& env) {
   std::uint64_t next = 0;
   if (!env.stat(dir).is_directory) return next;
   for (const std::string& name : env.list_dir(dir)) {
-    if (std::optional<std::uint64_t> n = parse_checkpoint_name(name)) next = std::max(next, *n + 1);
+    if (std::optional<std::uint64_t> n = checkpoint_number(name)) next = std::max(next, *n + 1);
   }
   return next;
 }
@@ -112,6 +117,57 @@ CheckpointManager::CheckpointManager(std::string dir, CheckpointManagerOptions o
   if (dir_.empty()) {
     throw Error(ErrorCode::InvalidArgument, "CheckpointManager needs a directory");
   }
+  const std::string& format = options_.name_format();
+  if (format.empty() || format.find('/') != std::string::npos ||
+      (format.find("{n") == std::string::npos && format.find("{step") == std::string::npos &&
+       format.find("{epoch") == std::string::npos)) {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("CheckpointManager: name_format '{}' must be one file name using "
+                            "{{n}}, {{step}} or {{epoch}}, which order the checkpoints",
+                            format));
+  }
+}
+
+std::string CheckpointManager::name_for(std::uint64_t n, std::int64_t step,
+                                        const std::map<std::string, double>& metrics,
+                                        std::optional<std::int64_t> epoch) const {
+  fmt::dynamic_format_arg_store<fmt::format_context> args;
+  std::vector<std::string> fields = {"{n}", "{step}"};
+  args.push_back(fmt::arg("n", n));
+  args.push_back(fmt::arg("step", step));
+  if (epoch) {
+    args.push_back(fmt::arg("epoch", *epoch));
+    fields.push_back("{epoch}");
+  }
+  for (const auto& [name, value] : metrics) {
+    if (name == "n" || name == "step" || name == "epoch") continue;
+    args.push_back(fmt::arg(name.c_str(), value));
+    fields.push_back("{" + name + "}");
+  }
+  std::string name;
+  try {
+    name = fmt::vformat(options_.name_format(), args);
+  } catch (const fmt::format_error& e) {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("CheckpointManager: name_format '{}' cannot be formatted ({}); the "
+                            "fields of this save are {}",
+                            options_.name_format(), e.what(), fmt::join(fields, ", ")));
+  }
+  // The number listings order by must be the one that grows: a name such as "run3-step-{step}"
+  // would be ordered by its 3.
+  std::optional<std::uint64_t> order = checkpoint_number(name);
+  auto is = [&](std::int64_t value) {
+    return value >= 0 && order == static_cast<std::uint64_t>(value);
+  };
+  if (!order || !(order == n || is(step) || (epoch && is(*epoch)))) {
+    throw Error(
+        ErrorCode::InvalidArgument,
+        fmt::format("CheckpointManager: checkpoints named like '{}' would be ordered by "
+                    "{}, not by their {{n}}, {{step}} or {{epoch}}; put one of those "
+                    "before any other number in name_format '{}'",
+                    name, order ? std::to_string(*order) : "nothing", options_.name_format()));
+  }
+  return name;
 }
 
 CheckpointListing CheckpointManager::list() const {
@@ -120,7 +176,7 @@ CheckpointListing CheckpointManager::list() const {
 }
 
 std::optional<std::string> CheckpointManager::try_latest() const {
-  return detail::newest_valid(detail::committed_checkpoints(dir_, *env_), *env_);
+  return detail::newest_valid(detail::committed_checkpoints(dir_, *env_, /*any_name=*/true), *env_);
 }
 
 std::string CheckpointManager::latest() const {
@@ -135,10 +191,11 @@ std::string CheckpointManager::latest() const {
 }
 
 std::string CheckpointManager::save(const StatefulSet& state, std::int64_t step,
-                                    const std::map<std::string, double>& metrics) {
+                                    const std::map<std::string, double>& metrics,
+                                    std::optional<std::int64_t> epoch) {
   detail::ensure_directory(*env_, dir_);
   const std::uint64_t number = detail::next_checkpoint_number(dir_, *env_);
-  const std::string path = join_path(dir_, checkpoint_name(number));
+  const std::string path = join_path(dir_, name_for(number, step, metrics, epoch));
   StateDict all = state.state_dict();
   std::vector<Component> components;
   for (const std::string& name : state.names()) {
@@ -153,6 +210,7 @@ std::string CheckpointManager::save(const StatefulSet& state, std::int64_t step,
     if (std::isfinite(value)) recorded[name] = value;
   }
   info.metadata = {{"metrics", recorded}};
+  if (epoch) info.metadata["epoch"] = *epoch;
   save_directory(path, components, info, *env_);
   apply_retention();
   return path;

@@ -13,11 +13,14 @@
 namespace torchpoint::detail {
 
 // The committed checkpoint_<N> directories of `dir` (those with a manifest.json: it is the
-// last file a save writes), by number, never lexically; empty when `dir` does not exist.
+// last file a save writes), by number, never lexically; empty when `dir` does not exist. With
+// `any_name`, every committed directory whose name has a checkpoint_number().
 std::vector<std::pair<std::uint64_t, std::string>> committed_checkpoints(const std::string& dir,
-                                                                         Env& env);
+                                                                         Env& env,
+                                                                         bool any_name = false);
 
-// One past the largest checkpoint_<N> in `dir`, committed or not (0 when there is none).
+// One past the largest checkpoint_number() of a name in `dir`, committed or not (0 when there
+// is none).
 std::uint64_t next_checkpoint_number(const std::string& dir, Env& env);
 
 // The newest of `oldest_first` that verify() passes. One proven corrupt by its own checksums

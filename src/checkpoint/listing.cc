@@ -133,7 +133,7 @@ CheckpointListing list_checkpoints(const std::string& dir, Env& env, bool check)
               // Entries without a number first; numbers compared as numbers, never as text.
               if (a.number.has_value() != b.number.has_value()) return !a.number.has_value();
               if (a.number != b.number) return *a.number < *b.number;
-              return a.name < b.name;
+              return natural_less(a.name, b.name);
             });
   for (auto it = listing.entries.rbegin(); it != listing.entries.rend(); ++it) {
     if (it->status == CheckpointStatus::Valid) {

@@ -113,4 +113,30 @@ std::optional<std::uint64_t> first_number(std::string_view name, std::size_t fro
   return value;
 }
 
+bool natural_less(std::string_view a, std::string_view b) {
+  auto digit = [](char c) { return c >= '0' && c <= '9'; };
+  std::size_t i = 0, j = 0;
+  while (i < a.size() && j < b.size()) {
+    if (digit(a[i]) && digit(b[j])) {
+      std::size_t ie = i, je = j;
+      while (ie < a.size() && digit(a[ie])) ++ie;
+      while (je < b.size() && digit(b[je])) ++je;
+      std::string_view x = a.substr(i, ie - i), y = b.substr(j, je - j);
+      std::size_t xz = x.find_first_not_of('0'), yz = y.find_first_not_of('0');
+      std::string_view xs = xz == std::string_view::npos ? "" : x.substr(xz);
+      std::string_view ys = yz == std::string_view::npos ? "" : y.substr(yz);
+      if (xs.size() != ys.size()) return xs.size() < ys.size();
+      if (xs != ys) return xs < ys;
+      if (x.size() != y.size()) return x.size() > y.size();
+      i = ie;
+      j = je;
+    } else {
+      if (a[i] != b[j]) return static_cast<unsigned char>(a[i]) < static_cast<unsigned char>(b[j]);
+      ++i;
+      ++j;
+    }
+  }
+  return a.size() - i < b.size() - j;
+}
+
 }  // namespace torchpoint

@@ -23,6 +23,11 @@ std::optional<std::uint64_t> parse_checkpoint_name(std::string_view name);
 // none, or when it has more than 18 digits.
 std::optional<std::uint64_t> first_number(std::string_view name, std::size_t from = 0);
 
+// Natural order: runs of digits compare as numbers ("step-9" before "step-10"), the rest as
+// bytes; equal numbers with more leading zeros first. Ties of checkpoint numbers are broken
+// with it.
+bool natural_less(std::string_view a, std::string_view b);
+
 // A fresh temporary sibling name for `final_name`: "<final_name>.tmp-<pid>-<random hex>".
 std::string temp_name(std::string_view final_name);
 // True for names made by temp_name().

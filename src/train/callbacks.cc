@@ -281,9 +281,12 @@ class ResumeFromCheckpoint final : public Callback {
       if (ctx.env->stat(join_path(path, name)).is_directory) continue;
       candidates.emplace_back(checkpoint_number(name), name);
     }
-    // Newest first: by epoch number as a number (never lexical order), then by name.
-    std::sort(candidates.begin(), candidates.end(),
-              [](const auto& a, const auto& b) { return a > b; });
+    // Newest first: by checkpoint number as a number (never lexical order), then by name in
+    // natural order.
+    std::sort(candidates.begin(), candidates.end(), [](const auto& a, const auto& b) {
+      if (a.first != b.first) return a.first > b.first;
+      return natural_less(b.second, a.second);
+    });
     for (const auto& [number, name] : candidates) {
       std::string file = join_path(path, name);
       try {
