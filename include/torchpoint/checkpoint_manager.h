@@ -97,9 +97,9 @@ struct CheckpointManagerOptions {
 //           torchpoint::RetentionPolicy().keep_last(3).best_metric("val_loss")));
 //   std::int64_t step = 0;
 //   if (auto latest = manager.try_latest()) step = manager.restore(state, *latest).step;
-//   for (; step < steps; ++step) {
-//     ...;
-//     if (step % 100 == 0) manager.save(state, step, {{"val_loss", val_loss}});
+//   while (step < steps) {
+//     ...;  // one training step
+//     if (++step % 100 == 0) manager.save(state, step, {{"val_loss", val_loss}});
 //   }
 class CheckpointManager {
  public:
