@@ -90,6 +90,40 @@ TEST(CheckpointManager, SavesListsKeepsTheBestAndLastAndRestoresExactly) {
   EXPECT_EQ(manager.save(job.state, 70, {{"val_loss", 0.9}}), ckpts + "/checkpoint_6");
 }
 
+// The README's loop: stopped after step 13 (its last save at 10), run again, it resumes from
+// step 10, saves 15 and 20 under new names and ends with the uninterrupted run's weights.
+TEST(CheckpointManager, TheReadmeLoopResumesWhereItStopped) {
+  TempDir dir;
+  auto run = [&](Job& job, std::int64_t steps, std::int64_t stop_after) {
+    CheckpointManager manager(
+        dir / "runs/a/checkpoints",
+        CheckpointManagerOptions()
+            .name_format("step-{step:08d}")
+            .retention(RetentionPolicy().keep_last(3).best_metric("val_loss")));
+    std::int64_t step = 0;
+    if (auto latest = manager.try_latest()) step = manager.restore(job.state, *latest).step;
+    const std::int64_t first = step;
+    while (step < steps) {
+      job.train(1);
+      double val_loss = 1.0 / static_cast<double>(step + 1);
+      if (++step % 5 == 0) manager.save(job.state, step, {{"val_loss", val_loss}});
+      if (step == stop_after) break;  // the kill
+    }
+    return first;
+  };
+  Job whole(1);
+  for (int i = 0; i < 20; ++i) whole.train(1);
+  Job killed(1);
+  EXPECT_EQ(run(killed, 20, 13), 0);
+  Job again(7);
+  EXPECT_EQ(run(again, 20, -1), 10) << "resumed from the save at step 10";
+  EXPECT_TRUE(testing::bitwise_equal(again.model->weight, whole.model->weight));
+  EXPECT_TRUE(testing::bitwise_equal(again.model->bias, whole.model->bias));
+  std::vector<std::string> kept = testing::list_sorted(dir / "runs/a/checkpoints");
+  EXPECT_EQ(kept,
+            (std::vector<std::string>{".lock", "step-00000010", "step-00000015", "step-00000020"}));
+}
+
 // The newest checkpoint proven corrupt by its own checksums is passed over; one that cannot be
 // judged (written by a newer torchpoint) is an error naming it, never passed over.
 TEST(CheckpointManager, TryLatestPassesOverCorruptButNotUnjudgeable) {
