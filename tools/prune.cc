@@ -2,11 +2,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <memory>
 
 #include "commands.h"
-#include "io/atomic_commit.h"
-#include "io/filename.h"
 #include "output.h"
 #include "torchpoint/checkpoint_manager.h"
 #include "torchpoint/env.h"
@@ -46,7 +43,7 @@ std::vector<Decision> plan(const CheckpointListing& listing, const PruneOptions&
   for (std::size_t i = 0; i < decided.size(); ++i) {
     const ListedCheckpoint& e = listing.entries[i];
     Decision d{&e, decided[i].keep, std::move(decided[i].reasons)};
-    if (e.status == CheckpointStatus::Uncommitted && !is_temp_name(e.name)) {
+    if (e.status == CheckpointStatus::Uncommitted && !e.temporary) {
       // Not a temporary: no save will sweep it away.
       d.reasons = {
           "uncommitted (no manifest.json): not deleted; remove it by hand if no save "
@@ -60,7 +57,6 @@ std::vector<Decision> plan(const CheckpointListing& listing, const PruneOptions&
 }  // namespace
 
 int run_prune(const PruneOptions& options, std::ostream& out) {
-  Env& env = Env::posix();
   CheckpointListing listing = list_checkpoints(options.dir);
   std::vector<Decision> decisions = plan(listing, options);
   if (options.dry_run) out << "dry run: nothing is deleted\n";
@@ -68,24 +64,15 @@ int run_prune(const PruneOptions& options, std::ostream& out) {
     out << fmt::format("no checkpoints in {}\n", listing.dir);
     return kExitOk;
   }
-  std::unique_ptr<ProjectLock> lock;
-  // Saves into this directory hold its lock; deleting under a running save could race it.
-  if (!options.dry_run) lock = std::make_unique<ProjectLock>(env, listing.dir);
   Table table({"ACTION", "NAME", "STATUS", "WHY"});
-  std::size_t deleted = 0;
+  std::vector<RetentionDecision> fates;
   for (const Decision& d : decisions) {
     table.add({d.keep ? "KEEP" : "DELETE", d.entry->name, checkpoint_status_name(d.entry->status),
                fmt::format("{}", fmt::join(d.reasons, "; "))});
+    fates.push_back({d.keep, d.reasons});
   }
   table.print(out);
-  if (!options.dry_run) {
-    for (const Decision& d : decisions) {
-      if (d.keep) continue;
-      remove_checkpoint(listing.dir, *d.entry, env);
-      ++deleted;
-    }
-    if (deleted > 0) env.sync_dir(listing.dir);
-  }
+  if (!options.dry_run) delete_checkpoints(listing, fates);
   std::size_t to_delete =
       std::count_if(decisions.begin(), decisions.end(), [](const Decision& d) { return !d.keep; });
   out << fmt::format("{} kept, {} {}\n", decisions.size() - to_delete, to_delete,

@@ -39,6 +39,7 @@ struct ListedCheckpoint {
   std::uint64_t size_bytes = 0;  // all files in it (a directory is not descended into)
   std::int64_t commit_time_ms = 0;  // Unix time of manifest.json (the commit), else of the entry
   bool latest = false;              // the newest valid one
+  bool temporary = false;           // a save in progress, or the leftover of one that died
 
   // metadata["metrics"][metric] when it is a number.
   std::optional<double> metric(const std::string& metric) const;
@@ -71,6 +72,13 @@ std::vector<RetentionDecision> plan_retention(const CheckpointListing& listing,
 // under its name: a directory is first renamed to a temporary name, which the next save into
 // `dir` sweeps away. The caller holds the directory's lock.
 void remove_checkpoint(const std::string& dir, const ListedCheckpoint& entry, Env& env);
+
+// Deletes, with remove_checkpoint() and under the directory's lock (Locked while a save into it
+// runs), every entry of `listing` whose decision is not to keep, and syncs the directory.
+// `decisions` are plan_retention's for this listing. Returns the paths deleted.
+std::vector<std::string> delete_checkpoints(const CheckpointListing& listing,
+                                            const std::vector<RetentionDecision>& decisions,
+                                            Env& env = Env::posix());
 
 struct CheckpointManagerOptions {
   // Applied after every committed save (none by default: every checkpoint is kept).

@@ -112,6 +112,30 @@ void remove_checkpoint(const std::string& dir, const ListedCheckpoint& entry, En
   env.remove_all(doomed);
 }
 
+std::vector<std::string> delete_checkpoints(const CheckpointListing& listing,
+                                            const std::vector<RetentionDecision>& decisions,
+                                            Env& env) {
+  if (decisions.size() != listing.entries.size()) {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("delete_checkpoints: {} decisions for {} checkpoints of {}",
+                            decisions.size(), listing.entries.size(), listing.dir));
+  }
+  std::vector<std::string> deleted;
+  if (std::all_of(decisions.begin(), decisions.end(),
+                  [](const RetentionDecision& d) { return d.keep; })) {
+    return deleted;
+  }
+  // Saves into this directory hold its lock; deleting under a running save could race it.
+  ProjectLock lock(env, listing.dir);
+  for (std::size_t i = 0; i < decisions.size(); ++i) {
+    if (decisions[i].keep) continue;
+    remove_checkpoint(listing.dir, listing.entries[i], env);
+    deleted.push_back(listing.entries[i].path);
+  }
+  env.sync_dir(listing.dir);
+  return deleted;
+}
+
 CheckpointManager::CheckpointManager(std::string dir, CheckpointManagerOptions options, Env* env)
     : dir_(std::move(dir)), options_(std::move(options)), env_(env ? env : &Env::posix()) {
   if (dir_.empty()) {
@@ -237,18 +261,10 @@ std::vector<std::string> CheckpointManager::apply_retention() {
       !policy.keep_period_ms()) {
     return deleted;
   }
-  ProjectLock lock(*env_, dir_);
   // Not verified: reading every checkpoint at each save would cost more than the save. A
   // committed checkpoint counts as valid here; the newest valid one is what try_latest() finds.
   CheckpointListing listing = list_checkpoints(dir_, *env_, /*verify=*/false);
-  std::vector<RetentionDecision> decisions = plan_retention(listing, policy);
-  for (std::size_t i = 0; i < decisions.size(); ++i) {
-    if (decisions[i].keep) continue;
-    remove_checkpoint(listing.dir, listing.entries[i], *env_);
-    deleted.push_back(listing.entries[i].path);
-  }
-  if (!deleted.empty()) env_->sync_dir(listing.dir);
-  return deleted;
+  return delete_checkpoints(listing, plan_retention(listing, policy), *env_);
 }
 
 }  // namespace torchpoint

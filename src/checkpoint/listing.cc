@@ -107,6 +107,7 @@ CheckpointListing list_checkpoints(const std::string& dir, Env& env, bool check)
     FileInfo entry_info = env.stat(entry.path);
     entry.is_directory = entry_info.is_directory;
     bool temp = is_temp_name(name);
+    entry.temporary = temp;
     std::string final_name = temp ? final_name_of_temp(name) : name;
     if (entry.is_directory) {
       entry.number = checkpoint_number(final_name);
