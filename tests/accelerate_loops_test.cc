@@ -258,6 +258,54 @@ TEST(AccelerateLoops, StepOnScaledGradientsFailsLoudly) {
   }
 }
 
+// Two optimizers under one GradScaler (a GAN's shape): optimizer_step({a, b}) is PyTorch's
+// recipe, step each through the scaler and update the scale once per iteration, also when one
+// of them meets an inf and skips. A reference loop written against the GradScaler directly
+// gives the same scales and the same weights, bit for bit.
+TEST(AccelerateLoops, SeveralOptimizersUpdateTheScaleOncePerIteration) {
+  auto run = [](bool through_accelerator) {
+    torch::manual_seed(3);
+    torch::nn::Linear a(3, 1), b(3, 1);
+    torch::optim::SGD opt_a(a->parameters(), torch::optim::SGDOptions(0.1));
+    torch::optim::SGD opt_b(b->parameters(), torch::optim::SGDOptions(0.1));
+    GradScaler scaler(GradScalerOptions().init_scale(1024).growth_interval(2));
+    TempDir dir;
+    Accelerator acc(ProjectConfiguration().project_dir(dir.path()));
+    acc.prepare(a, opt_a, b, opt_b, scaler);
+    auto x = torch::randn({8, 3});
+    std::vector<double> scales;
+    for (int i = 0; i < 6; ++i) {
+      opt_a.zero_grad();
+      opt_b.zero_grad();
+      // Iteration 3: b's loss overflows, so b skips its step and the scale backs off.
+      auto loss_b = b->forward(x).pow(2).mean() * (i == 3 ? 1e38 : 1.0);
+      auto loss = a->forward(x).pow(2).mean() + loss_b;
+      if (through_accelerator) {
+        acc.backward(loss);
+        std::vector<bool> stepped = acc.optimizer_step({opt_a, opt_b});
+        EXPECT_EQ(stepped, (std::vector<bool>{true, i != 3})) << i;
+      } else {
+        scaler.scale(loss).backward();
+        scaler.step(opt_a);
+        scaler.step(opt_b);
+        scaler.update();
+      }
+      scales.push_back(scaler.get_scale());
+    }
+    if (through_accelerator) {
+      EXPECT_EQ(acc.save_state(dir / "ok"), dir / "ok") << "no scaled gradients left unconsumed";
+    }
+    return std::make_tuple(scales, a->weight.clone(), b->weight.clone());
+  };
+  auto [want_scales, want_a, want_b] = run(false);
+  auto [scales, got_a, got_b] = run(true);
+  EXPECT_EQ(scales, want_scales);
+  EXPECT_EQ(want_scales, (std::vector<double>{1024, 2048, 2048, 1024, 1024, 2048}))
+      << "grows every 2 good iterations, backs off once at iteration 3";
+  EXPECT_TRUE(testing::bitwise_equal(got_a, want_a));
+  EXPECT_TRUE(testing::bitwise_equal(got_b, want_b));
+}
+
 // step() counts acc.backward(loss) calls; a loop that calls loss.backward() itself gets a
 // warning that says so, once, and the counting loop (the control) gets none.
 TEST(AccelerateLoops, BackwardOutsideTheAcceleratorIsReported) {

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <optional>
@@ -129,6 +130,16 @@ class Accelerator {
   // cleared by zero_grad() without optimizer_step(). Gradient accumulation (several backward()
   // calls, then one optimizer_step()) is fine.
   bool optimizer_step(torch::optim::Optimizer& optimizer);
+  // Several optimizers of one iteration (a GAN's generator and discriminator), as PyTorch's
+  // recipe for several optimizers under a GradScaler steps them: each through the scaler, then
+  // one update() of the scale for the iteration, which backs off if any of them met an inf/NaN.
+  // (optimizer_step(o) for each updates after each, as Accelerate's optimizers do.) Returns, in
+  // order, whether each stepped. Without a GradScaler, steps each.
+  //
+  // Example:
+  //   acc.optimizer_step({generator_optimizer, discriminator_optimizer});
+  std::vector<bool> optimizer_step(
+      std::initializer_list<std::reference_wrapper<torch::optim::Optimizer>> optimizers);
 
   // Registers any object with state_dict()/load_state_dict(), saved as custom_checkpoint_<i>
   // in registration order. An object without those methods does not compile.

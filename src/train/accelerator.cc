@@ -219,6 +219,24 @@ void Accelerator::backward(const at::Tensor& loss) {
   ++step_;
 }
 
+std::vector<bool> Accelerator::optimizer_step(
+    std::initializer_list<std::reference_wrapper<torch::optim::Optimizer>> optimizers) {
+  std::vector<bool> stepped;
+  for (torch::optim::Optimizer& optimizer : optimizers) {
+    if (scaler_ == nullptr) {
+      optimizer.step();
+      stepped.push_back(true);
+    } else {
+      stepped.push_back(scaler_->step(optimizer));
+    }
+  }
+  if (scaler_ != nullptr && !stepped.empty()) {
+    scaler_->update();
+    scaled_pending_ = false;
+  }
+  return stepped;
+}
+
 bool Accelerator::optimizer_step(torch::optim::Optimizer& optimizer) {
   if (scaler_ == nullptr) {
     optimizer.step();
