@@ -14,18 +14,10 @@
 #include <filesystem>
 #include <string>
 
+#include "examples/readme_loop_job.h"
 #include "torchpoint/torchpoint.h"
 
 namespace {
-
-// Sample i is the number i.
-struct Numbers : torch::data::datasets::Dataset<Numbers> {
-  torch::data::Example<> get(std::size_t i) override {
-    auto v = torch::full({1}, static_cast<float>(i));
-    return {v, v * 0.25};
-  }
-  c10::optional<std::size_t> size() const override { return 50; }
-};
 
 // The newest step_<N> under `dir`, or "" when there is none.
 std::string newest_checkpoint(const std::string& dir) {
@@ -45,18 +37,12 @@ std::string newest_checkpoint(const std::string& dir) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 2) {
-    std::fprintf(stderr, "usage: accelerate_resume PROJECT_DIR [--kill-after-step N]\n");
-    return 2;
-  }
-  const std::string project = argv[1];
-  const long kill_after =
-      argc >= 4 && std::string(argv[2]) == "--kill-after-step" ? std::atol(argv[3]) : -1;
+  const auto [project, kill_after] = readme_loop::parse_args(argc, argv, "accelerate_resume");
   torch::manual_seed(0);
   torch::nn::Linear model(1, 1);
   torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(1e-4).momentum(0.9));
   auto train_dataloader = torchpoint::make_resumable_data_loader(
-      Numbers().map(torch::data::transforms::Stack<>()),
+      readme_loop::Numbers().map(torch::data::transforms::Stack<>()),
       torch::data::DataLoaderOptions().batch_size(8), /*shuffle=*/true, /*seed=*/42);
   torchpoint::Accelerator accelerator(torchpoint::ProjectConfiguration().project_dir(project));
   // [loop]
@@ -84,12 +70,7 @@ int main(int argc, char** argv) {
       optimizer.step();
       ++completed_steps;
       // [loop end]
-      std::printf("batch %ld:", completed_steps);
-      for (std::int64_t i = 0; i < batch.data.size(0); ++i) {
-        std::printf(" %d", static_cast<int>(batch.data[i][0].item<float>()));
-      }
-      std::printf("\n");
-      std::fflush(stdout);
+      readme_loop::print_batch(completed_steps, batch.data);
       // [loop]
       if (completed_steps % checkpointing_steps == 0) {
         accelerator.save_state(project + "/step_" + std::to_string(completed_steps));

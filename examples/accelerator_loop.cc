@@ -13,36 +13,18 @@
 #include <cstdlib>
 #include <string>
 
+#include "examples/readme_loop_job.h"
 #include "torchpoint/torchpoint.h"
 
 namespace tp = torchpoint;
 
-namespace {
-
-// Sample i is the number i.
-struct Numbers : torch::data::datasets::Dataset<Numbers> {
-  torch::data::Example<> get(std::size_t i) override {
-    auto v = torch::full({1}, static_cast<float>(i));
-    return {v, v * 0.25};
-  }
-  c10::optional<std::size_t> size() const override { return 50; }
-};
-
-}  // namespace
-
 int main(int argc, char** argv) {
-  if (argc < 2) {
-    std::fprintf(stderr, "usage: accelerator_loop PROJECT_DIR [--kill-after-step N]\n");
-    return 2;
-  }
-  const std::string project = argv[1];
-  const long kill_after =
-      argc >= 4 && std::string(argv[2]) == "--kill-after-step" ? std::atol(argv[3]) : -1;
+  const auto [project, kill_after] = readme_loop::parse_args(argc, argv, "accelerator_loop");
   torch::manual_seed(0);
   torch::nn::Linear model(1, 1);
   torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(1e-4).momentum(0.9));
   auto train_loader = tp::make_resumable_data_loader(
-      Numbers().map(torch::data::transforms::Stack<>()),
+      readme_loop::Numbers().map(torch::data::transforms::Stack<>()),
       torch::data::DataLoaderOptions().batch_size(8), /*shuffle=*/true, /*seed=*/42);
   // [loop]
   tp::Accelerator accelerator(tp::ProjectConfiguration()
@@ -61,12 +43,7 @@ int main(int argc, char** argv) {
       optimizer.step();
       if (accelerator.step() % checkpointing_steps == 0) accelerator.save_state();
       // [loop end]
-      std::printf("batch %ld:", static_cast<long>(accelerator.step()));
-      for (std::int64_t i = 0; i < batch.data.size(0); ++i) {
-        std::printf(" %d", static_cast<int>(batch.data[i][0].item<float>()));
-      }
-      std::printf("\n");
-      std::fflush(stdout);
+      readme_loop::print_batch(static_cast<long>(accelerator.step()), batch.data);
       if (accelerator.step() == kill_after) ::raise(SIGKILL);  // the crash, right after a save
       // [loop]
     }

@@ -166,18 +166,9 @@ void expect_safetensors_reads(const std::vector<std::string>& files, const std::
   }
   blob.close();
   std::ofstream(scratch + "/judge.json") << expected.dump();
-  const char* src = std::getenv("TORCHPOINT_SOURCE_DIR");
-  ASSERT_NE(src, nullptr) << "TORCHPOINT_SOURCE_DIR is set by CTest";
-  std::string command = fmt::format("{} {}/tests/python/safetensors_judge.py {}/judge.json 2>&1",
-                                    python(), src, scratch);
-  FILE* pipe = ::popen(command.c_str(), "r");
-  ASSERT_NE(pipe, nullptr);
-  std::string output;
-  char buffer[4096];
-  while (std::size_t n = std::fread(buffer, 1, sizeof buffer, pipe)) output.append(buffer, n);
-  const int status = ::pclose(pipe);
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << command << "\n" << output;
-  EXPECT_NE(output.find("ok: "), std::string::npos) << output;
+  CommandOutput judged = run_python_script("safetensors_judge.py", {scratch + "/judge.json"});
+  EXPECT_EQ(judged.status, 0) << judged.output;
+  EXPECT_NE(judged.output.find("ok: "), std::string::npos) << judged.output;
 }
 
 }  // namespace torchpoint::testing

@@ -59,6 +59,12 @@ struct RetentionPolicy {
   // hour, one a day).
   TORCH_ARG(std::optional<std::int64_t>, keep_period_ms);
   TORCH_ARG(bool, delete_corrupt) = false;
+
+ public:
+  // Whether any keep rule is set; without one, every checkpoint is kept.
+  bool has_rule() const {
+    return keep_last_ || best_metric_ || keep_every_n_steps_ || keep_period_ms_;
+  }
 };
 
 // The fate of one entry, with every reason that applies ("newest valid", "last 3", ...).

@@ -256,11 +256,7 @@ CheckpointManager::Restored CheckpointManager::restore(StatefulSet& state,
 
 std::vector<std::string> CheckpointManager::apply_retention() {
   const RetentionPolicy& policy = options_.retention();
-  std::vector<std::string> deleted;
-  if (!policy.keep_last() && !policy.best_metric() && !policy.keep_every_n_steps() &&
-      !policy.keep_period_ms()) {
-    return deleted;
-  }
+  if (!policy.has_rule()) return {};  // nothing to decide: skip the listing
   // Not verified: reading every checkpoint at each save would cost more than the save. A
   // committed checkpoint counts as valid here; the newest valid one is what try_latest() finds.
   CheckpointListing listing = list_checkpoints(dir_, *env_, /*verify=*/false);

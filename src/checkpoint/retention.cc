@@ -43,8 +43,6 @@ std::vector<RetentionDecision> plan_retention(const std::vector<RetentionEntry>&
   if (policy.keep_period_ms() && *policy.keep_period_ms() <= 0) {
     throw Error(ErrorCode::InvalidArgument, "retention: keep_period_ms must be at least 1");
   }
-  const bool any_rule = policy.keep_last() || policy.best_metric() || policy.keep_every_n_steps() ||
-                        policy.keep_period_ms();
   std::vector<RetentionDecision> decisions(oldest_first.size());
   std::vector<std::size_t> valid;  // indices, oldest first
   for (std::size_t i = 0; i < oldest_first.size(); ++i) {
@@ -70,7 +68,7 @@ std::vector<RetentionDecision> plan_retention(const std::vector<RetentionEntry>&
   }
 
   if (!valid.empty()) keep(decisions[valid.back()], "newest valid");
-  if (!any_rule) {
+  if (!policy.has_rule()) {
     for (std::size_t i : valid) {
       if (!decisions[i].keep) keep(decisions[i], "no retention rule");
     }

@@ -436,29 +436,24 @@ void draw_panel(cairo_t* cr, const Figure& figure, const Panel& panel,
   // Grid lines, ticks and their labels, then the frame over them.
   cairo_set_line_width(cr, 1);
   use_font(cr, Font::Tick);
+  // A line in `color` from (x0, y0) to (x1, y1).
+  auto line = [&](Rgb color, double x0, double y0, double x1, double y1) {
+    set_color(cr, color);
+    cairo_move_to(cr, x0, y0);
+    cairo_line_to(cr, x1, y1);
+    cairo_stroke(cr);
+  };
   for (std::size_t i = 0; i < panel.y.ticks.size(); ++i) {
     const double y = snap(y_of(panel.y.ticks[i]));
-    set_color(cr, kGrid);
-    cairo_move_to(cr, left, y);
-    cairo_line_to(cr, right, y);
-    cairo_stroke(cr);
-    set_color(cr, kFrame);
-    cairo_move_to(cr, left - 4, y);
-    cairo_line_to(cr, left, y);
-    cairo_stroke(cr);
+    line(kGrid, left, y, right, y);
+    line(kFrame, left - 4, y, left, y);
     set_color(cr, kTickText);
     show_text(cr, panel.y.labels[i], left - 7, y + 4, Align::Right);
   }
   for (std::size_t i = 0; i < figure.epochs.ticks.size(); ++i) {
     const double x = snap(x_of(figure.epochs.ticks[i]));
-    set_color(cr, kGrid);
-    cairo_move_to(cr, x, top);
-    cairo_line_to(cr, x, bottom);
-    cairo_stroke(cr);
-    set_color(cr, kFrame);
-    cairo_move_to(cr, x, bottom);
-    cairo_line_to(cr, x, bottom + 4);
-    cairo_stroke(cr);
+    line(kGrid, x, top, x, bottom);
+    line(kFrame, x, bottom, x, bottom + 4);
     set_color(cr, kTickText);
     show_text(cr, figure.epochs.labels[i], x, bottom + 17, Align::Center);
   }
