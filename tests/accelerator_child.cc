@@ -1,5 +1,9 @@
-// Child of accelerator_crash_test: runs AcceleratorJob in PROJECT, resuming with load_state()
-// when a checkpoint exists, and kills itself with SIGKILL at the point KILL names:
+// Child of accelerator_crash_test: runs AcceleratorJob in PROJECT, resuming when a checkpoint
+// exists, and kills itself with SIGKILL at the point KILL names. SAVER says who saves:
+//   accelerator     save_state() and load_state() with automatic naming and total_limit 3
+//   manager         a CheckpointManager over PROJECT/checkpoints of the same components,
+//                   keeping the last 2 and the best by loss, and try_latest() + restore()
+// KILL is one of:
 //   none            run to the end
 //   step:N          right after step N
 //   after_save:K    right after the K-th save of this process returns
@@ -17,6 +21,8 @@
 #include "testing/fault_env.h"
 #include "tests/accelerator_job.h"
 #include "tests/child_log.h"
+#include "torchpoint/checkpoint_manager.h"
+#include "torchpoint/rng_state.h"
 
 namespace tp = torchpoint;
 
@@ -40,11 +46,12 @@ std::uint64_t digest(const tp::StateDict& sd) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 4) {
-    std::fprintf(stderr, "usage: accelerator_child PROJECT LOG KILL\n");
+  if (argc != 5) {
+    std::fprintf(stderr, "usage: accelerator_child PROJECT LOG KILL SAVER\n");
     return 2;
   }
-  const std::string project = argv[1], log = argv[2], kill = argv[3];
+  const std::string project = argv[1], log = argv[2], kill = argv[3], saver = argv[4];
+  const bool manager = saver == "manager";
   long kill_step = -1, kill_after_save = -1, kill_save = -1, kill_op = -1;
   std::sscanf(kill.c_str(), "step:%ld", &kill_step);
   std::sscanf(kill.c_str(), "after_save:%ld", &kill_after_save);
@@ -55,11 +62,35 @@ int main(int argc, char** argv) {
   env.set_before_op([&](tp::testing::Op, const std::string&) {
     if (saves + 1 == kill_save && ++ops_in_save == kill_op) ::raise(SIGKILL);
   });
-  tp::testing::AcceleratorJob job(
-      tp::ProjectConfiguration().project_dir(project).automatic_checkpoint_naming(true).total_limit(
-          3),
-      env);
-  if (!job.acc.list_checkpoints().empty()) {
+  tp::ProjectConfiguration config = tp::ProjectConfiguration().project_dir(project);
+  if (!manager) config.automatic_checkpoint_naming(true).total_limit(3);
+  tp::testing::AcceleratorJob job(config, env);
+
+  // The manager's set: the components the Accelerator saves, registered by hand.
+  tp::StatefulSet state;
+  tp::RngState rng;
+  state.add("model", tp::ModuleState(job.model.ptr()));
+  state.add("optimizer", tp::OptimizerState(std::shared_ptr<torch::optim::Optimizer>(
+                             std::shared_ptr<void>(), &job.optimizer)));
+  state.add("scheduler", tp::AnyStateful::ref(static_cast<tp::LRScheduler&>(job.scheduler)));
+  state.add("scaler", tp::AnyStateful::ref(job.scaler));
+  state.add("sampler", tp::AnyStateful::ref(job.loader->sampler()));
+  state.add("counters", tp::AnyStateful::ref(job.counters));
+  state.add("rng", tp::AnyStateful::ref(rng), /*restore_last=*/true);
+  tp::CheckpointManager checkpoints(project + "/checkpoints",
+                                    tp::CheckpointManagerOptions().retention(
+                                        tp::RetentionPolicy().keep_last(2).best_metric("loss")),
+                                    &env);
+
+  if (manager) {
+    if (auto latest = checkpoints.try_latest()) {
+      checkpoints.restore(state, *latest);
+      tp::testing::append_line(log, "resumed " + *latest);
+    }
+    job.save = [&](std::int64_t step, float loss) {
+      checkpoints.save(state, step, {{"loss", loss}});
+    };
+  } else if (!job.acc.list_checkpoints().empty()) {
     tp::LoadStateReport r = job.acc.load_state();
     // Accelerate's flow: skip the batches already consumed in this epoch. load_state() has
     // already put the data position back; skip_first_batches is absolute, so they agree.

@@ -59,7 +59,11 @@ struct AcceleratorJob {
         ++counters.batch_in_epoch;
         if (on_step) on_step(counters.step, loss.item<float>());
         if (save_every > 0 && counters.step % save_every == 0) {
-          acc.save_state();
+          if (save) {
+            save(counters.step, loss.item<float>());
+          } else {
+            acc.save_state();
+          }
           if (after_save) after_save(counters.step);
         }
       }
@@ -80,6 +84,9 @@ struct AcceleratorJob {
     sd.set_child("rng", rng.state_dict());
     return sd;
   }
+
+  // Replaces acc.save_state() when set: save(step, loss).
+  std::function<void(std::int64_t, float)> save;
 
   Accelerator acc;
   std::shared_ptr<ResumableDataLoader<JobDataset>> loader;

@@ -200,5 +200,39 @@ TEST(CheckpointManager, ARestoreThatDoesNotFitChangesNothing) {
   expect_error([] { CheckpointManager(""); }, ErrorCode::InvalidArgument, {"directory"});
 }
 
+// restore() by number; the checkpoint a run restored from is kept while its manager lives,
+// even past keep_last, and is released by the next run's manager.
+TEST(CheckpointManager, RestoreByNumberAndTheCheckpointResumedFromIsKept) {
+  TempDir dir;
+  const std::string ckpts = dir / "checkpoints";
+  auto options = CheckpointManagerOptions().retention(RetentionPolicy().keep_last(1));
+  Job job(1);
+  {
+    CheckpointManager manager(ckpts, options);
+    for (int i = 0; i < 3; ++i) manager.save(job.state, i);
+    EXPECT_EQ(names(manager.list()), (std::vector<std::string>{"checkpoint_2"}));
+  }
+  // Keep all three so that an older one can be chosen.
+  CheckpointManager all(ckpts);
+  for (int i = 3; i < 5; ++i) all.save(job.state, i);
+  EXPECT_EQ(names(all.list()),
+            (std::vector<std::string>{"checkpoint_2", "checkpoint_3", "checkpoint_4"}));
+
+  CheckpointManager manager(ckpts, options);
+  Job resumed(9);
+  expect_error([&] { manager.restore(resumed.state, std::uint64_t{7}); }, ErrorCode::NotFound,
+               {"no checkpoint numbered 7", "2, 3, 4"});
+  CheckpointManager::Restored r = manager.restore(resumed.state, std::uint64_t{3});
+  EXPECT_EQ(r.path, ckpts + "/checkpoint_3");
+  EXPECT_EQ(r.step, 3);
+  EXPECT_TRUE(testing::bitwise_equal(resumed.model->weight, job.model->weight));
+  manager.save(resumed.state, 4);
+  manager.save(resumed.state, 5);
+  EXPECT_EQ(names(manager.list()), (std::vector<std::string>{"checkpoint_3", "checkpoint_6"}))
+      << "the newest and the one this run resumed from";
+  CheckpointManager next_run(ckpts, options);
+  EXPECT_EQ(next_run.apply_retention(), std::vector<std::string>{ckpts + "/checkpoint_3"});
+}
+
 }  // namespace
 }  // namespace torchpoint

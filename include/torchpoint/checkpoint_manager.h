@@ -40,6 +40,9 @@ struct ListedCheckpoint {
   std::int64_t commit_time_ms = 0;  // Unix time of manifest.json (the commit), else of the entry
   bool latest = false;              // the newest valid one
   bool temporary = false;           // a save in progress, or the leftover of one that died
+  // Set by the caller: kept whatever the retention policy says, for this reason (see
+  // RetentionEntry::pinned). list_checkpoints() leaves it empty.
+  std::string pinned;
 
   // metadata["metrics"][metric] when it is a number.
   std::optional<double> metric(const std::string& metric) const;
@@ -146,7 +149,12 @@ class CheckpointManager {
   };
   // Restores `state` from the checkpoint at `path` (latest() when empty): every file verified
   // and every component matched before anything changes (StatefulSet::restore's contract).
+  // From then on, retention never deletes that checkpoint while this manager lives (the point
+  // this run started from), even beyond keep_last.
   Restored restore(StatefulSet& state, const std::string& path = "");
+  // The same for the checkpoint numbered `number` (checkpoint_number() of its name); NotFound,
+  // naming the numbers there are, when none has it.
+  Restored restore(StatefulSet& state, std::uint64_t number);
 
   // Applies the retention policy now; returns the paths deleted.
   std::vector<std::string> apply_retention();
@@ -158,6 +166,7 @@ class CheckpointManager {
   std::string dir_;
   CheckpointManagerOptions options_;
   Env* env_;
+  std::string restored_from_;  // entry name of the checkpoint restore() loaded
 };
 
 }  // namespace torchpoint

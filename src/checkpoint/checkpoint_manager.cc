@@ -96,6 +96,7 @@ std::vector<RetentionDecision> plan_retention(const CheckpointListing& listing,
     r.step = e.step;
     if (policy.best_metric()) r.metric = e.metric(*policy.best_metric());
     r.commit_time_ms = e.commit_time_ms;
+    r.pinned = e.pinned;
     entries.push_back(std::move(r));
   }
   return plan_retention(entries, policy);
@@ -251,7 +252,22 @@ CheckpointManager::Restored CheckpointManager::restore(StatefulSet& state,
   }
   out.report = state.restore(all);
   out.step = checkpoint.info.step;
+  restored_from_ = base_name(out.path);
   return out;
+}
+
+CheckpointManager::Restored CheckpointManager::restore(StatefulSet& state, std::uint64_t number) {
+  CheckpointListing listing = list();
+  std::vector<std::string> numbers;
+  for (const ListedCheckpoint& e : listing.entries) {
+    if (e.temporary || !e.number) continue;
+    if (*e.number == number) return restore(state, e.path);
+    numbers.push_back(std::to_string(*e.number));
+  }
+  throw Error(ErrorCode::NotFound,
+              fmt::format("CheckpointManager: no checkpoint numbered {} in {} (there {}: {})",
+                          number, dir_, numbers.size() == 1 ? "is" : "are",
+                          numbers.empty() ? "none" : fmt::format("{}", fmt::join(numbers, ", "))));
 }
 
 std::vector<std::string> CheckpointManager::apply_retention() {
@@ -260,6 +276,11 @@ std::vector<std::string> CheckpointManager::apply_retention() {
   // Not verified: reading every checkpoint at each save would cost more than the save. A
   // committed checkpoint counts as valid here; the newest valid one is what try_latest() finds.
   CheckpointListing listing = list_checkpoints(dir_, *env_, /*verify=*/false);
+  for (ListedCheckpoint& e : listing.entries) {
+    if (!restored_from_.empty() && e.name == restored_from_ && !e.temporary) {
+      e.pinned = "the checkpoint this run resumed from";
+    }
+  }
   return delete_checkpoints(listing, plan_retention(listing, policy), *env_);
 }
 
