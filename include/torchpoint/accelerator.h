@@ -22,6 +22,7 @@
 #include <tuple>
 #include <vector>
 
+#include "torchpoint/async_save.h"
 #include "torchpoint/data_loader.h"
 #include "torchpoint/env.h"
 #include "torchpoint/error.h"
@@ -159,7 +160,22 @@ class Accelerator {
   // own checksums prove it corrupt, since it holds progress this run lacks.
   // `output_dir` may be an empty directory; a committed checkpoint there is replaced only with
   // `overwrite`, atomically (the old one stays whole until the new one is committed).
+  // Waits for an asynchronous save in flight first (and throws its error if nothing received
+  // it yet).
   std::string save_state(const std::string& output_dir = "", bool overwrite = false);
+  // save_state() without stopping training: returns once every tensor of the state has been
+  // copied into staging memory (reused from one save to the next), and writes, commits and
+  // applies total_limit on a background thread. The loop may change every parameter as soon as
+  // it returns. At most one save is in flight: the next save (or load_state()) waits for this
+  // one first. Its error is thrown once, by whichever comes first of the handle's wait(), the
+  // next save_state(), load_state() or wait_for_checkpoint(). Save hooks run on the background
+  // thread. A kill while the background write runs leaves every earlier checkpoint intact and
+  // this one absent. With automatic naming the iteration advances at once, so a failed
+  // asynchronous save leaves its number unused.
+  SaveHandle save_state_async(const std::string& output_dir = "", bool overwrite = false);
+  // Blocks until the asynchronous save in flight (if any) has committed; throws its error unless
+  // it was already received. The destructor waits too, but never throws (it prints the error).
+  void wait_for_checkpoint();
 
   // Restores everything save_state() wrote. With no argument, the newest valid checkpoint under
   // <project_dir>/checkpoints (numeric order; uncommitted ones are ignored, and newer ones
@@ -347,6 +363,9 @@ class Accelerator {
   std::vector<std::string> component_names() const;
   std::string checkpoints_dir() const;
   void apply_total_limit(const std::string& just_written);
+  // save_state() and save_state_async(): a synchronous save when `saver` is null.
+  std::string save_state_with(const std::string& output_dir, bool overwrite,
+                              AsyncCheckpointer* saver, SaveHandle* handle);
 
   ProjectConfiguration config_;
   Env& env_;
@@ -375,6 +394,9 @@ class Accelerator {
   bool scaled_pending_ = false;
   bool warned_uncounted_ = false;
   Json logged_metrics_ = Json::object();  // by name, in the order first logged
+  // Made at the first save_state_async(); destroyed first, so that its background save never
+  // outlives the members it uses.
+  std::unique_ptr<AsyncCheckpointer> async_;
 
  public:
   ~Accelerator();

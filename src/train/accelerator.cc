@@ -99,6 +99,7 @@ struct Accelerator::BackwardCounts {
 };
 
 Accelerator::~Accelerator() {
+  async_.reset();  // waits for a save in flight, which uses this object's members
   for (Watched& w : hooked_) {
     try {
       w.param.remove_hook(w.hook);
@@ -266,6 +267,24 @@ std::vector<std::pair<std::int64_t, std::string>> Accelerator::list_checkpoints(
 }
 
 std::string Accelerator::save_state(const std::string& output_dir, bool overwrite) {
+  wait_for_checkpoint();
+  return save_state_with(output_dir, overwrite, nullptr, nullptr);
+}
+
+SaveHandle Accelerator::save_state_async(const std::string& output_dir, bool overwrite) {
+  if (!async_) async_ = std::make_unique<AsyncCheckpointer>(env_);
+  SaveHandle handle;
+  save_state_with(output_dir, overwrite, async_.get(), &handle);
+  return handle;
+}
+
+void Accelerator::wait_for_checkpoint() {
+  if (async_) async_->wait();
+}
+
+std::string Accelerator::save_state_with(const std::string& output_dir, bool overwrite,
+                                         AsyncCheckpointer* saver, SaveHandle* handle) {
+  if (saver != nullptr) saver->wait();  // the previous save's error first, if nobody took it
   const bool automatic = output_dir.empty() && config_.automatic_checkpoint_naming();
   if (output_dir.empty() && !automatic) {
     throw Error(ErrorCode::InvalidArgument,
@@ -292,9 +311,17 @@ std::string Accelerator::save_state(const std::string& output_dir, bool overwrit
   SaveDirectoryOptions options;
   options.overwrite = overwrite;
   if (!save_hooks_.empty()) {
-    options.before_components = [this](const std::string& dir) {
-      for (const auto& hook : save_hooks_) hook(dir);
+    // A copy: an asynchronous save runs them while the loop may register more.
+    options.before_components = [hooks = save_hooks_](const std::string& dir) {
+      for (const auto& hook : hooks) hook(dir);
     };
+  }
+  if (saver != nullptr) {
+    std::function<void()> after_commit;
+    if (automatic) after_commit = [this, path] { apply_total_limit(path); };
+    *handle = saver->save_directory(path, files, info, options, std::move(after_commit));
+    if (automatic) config_.iteration(config_.iteration() + 1);
+    return path;
   }
   save_directory(path, files, info, env_, options);
 
@@ -349,11 +376,13 @@ void Accelerator::apply_total_limit(const std::string& just_written) {
 }
 
 std::optional<LoadStateReport> Accelerator::try_load_state() {
+  wait_for_checkpoint();
   if (list_checkpoints().empty()) return std::nullopt;
   return load_state();
 }
 
 LoadStateReport Accelerator::load_state(const std::string& input_dir) {
+  wait_for_checkpoint();
   LoadStateReport report;
   std::string path = input_dir;
   if (path.empty()) {
