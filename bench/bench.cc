@@ -30,6 +30,7 @@
 #include <thread>
 #include <vector>
 
+#include "torchpoint/async_save.h"
 #include "torchpoint/checkpoint_dir.h"
 #include "torchpoint/optimizer_state.h"
 #include "torchpoint/state_dict.h"
@@ -70,6 +71,7 @@ struct Options {
   bool hot = false;
   bool recycle = true;
   std::vector<std::string> states = {"S1", "S2", "S3", "J"};
+  bool async = true;  // the A section, over the tensor states
 };
 
 struct State {
@@ -723,23 +725,170 @@ void Bench::print_table(std::FILE* out) const {
 }
 
 void Bench::print_json(std::FILE* out) const {
+  // One object per (state, op, system), with the field names of bench/peers.py.
+  constexpr std::array<std::array<const char*, 3>, 2> kSystems = {
+      {{"torchpoint", "torch::save", "buffered"}, {"torchpoint", "torch::load", "read"}}};
   for (std::size_t i = 0; i < states_.size(); ++i) {
     const State& s = states_[i];
     const Results& r = results_[i];
     for (int op : {kSave, kLoad}) {
-      nlohmann::ordered_json line = {
-          {"state", s.name},
-          {"op", kOpNames[op]},
-          {"torchpoint_s", median(r.seconds[op][kTorchpoint])},
-          {"torch_s", median(r.seconds[op][kTorch])},
-          {"raw_s", median(r.seconds[op][kRaw])},
-          {"bytes", s.bytes},
-          {"reps", options_.reps},
-          {"torchpoint_peak_extra_bytes", r.peak_extra[op]},
-          {"state_bytes", s.bytes},
-      };
-      fmt::print(out, "{}\n", line.dump());
+      for (int impl = 0; impl < 3; ++impl) {
+        nlohmann::ordered_json line = {
+            {"state", s.name},
+            {"op", kOpNames[op]},
+            {"system", kSystems[op][impl]},
+            {"seconds", median(r.seconds[op][impl])},
+            {"bytes", s.bytes},
+            {"reps", options_.reps},
+        };
+        // Memory is sampled for torchpoint only.
+        if (impl == kTorchpoint) line["peak_extra_mib"] = r.peak_extra[op] / kMiB;
+        fmt::print(out, "{}\n", line.dump());
+      }
     }
+  }
+}
+
+// ---- A: asynchronous saves against memcpy and the disk ---------------------------------------
+//
+// For each tensor state: memcpy of its bytes into memory allocated once (the least an
+// asynchronous save can stall the loop for), an O_DIRECT write + fsync of the same bytes (the
+// disk's limit, without the page cache), torchpoint::save_file (synchronous), and
+// AsyncCheckpointer::save_file: its stall (until it returns) and its time to commit (until
+// wait() returns). The order rotates each repetition; every save writes recycled pages.
+
+struct AsyncCase {
+  std::string state;
+  std::uint64_t bytes = 0;
+  std::vector<double> memcpy_s, o_direct_s, sync_s, stall_s, commit_s;
+  std::int64_t async_peak_extra = 0;  // first async save of a fresh checkpointer (staging made)
+  std::size_t staging_bytes = 0;
+};
+
+// Writes `bytes` of `data` (4096-aligned, its size rounded up to 4096) with O_DIRECT, then
+// fsyncs.
+void write_o_direct(const std::string& path, const std::uint8_t* data, std::size_t size) {
+  int fd = open_or_throw(path, O_WRONLY | O_CREAT | O_TRUNC | O_DIRECT);
+  constexpr std::size_t kChunk = 8u << 20;
+  for (std::size_t done = 0; done < size; done += kChunk) {
+    write_all(fd, data + done, std::min(kChunk, size - done), path);
+  }
+  if (::fsync(fd) != 0) throw_errno("fsync " + path);
+  close_or_throw(fd, path);
+}
+
+AsyncCase run_async_case(const State& s, const Options& options, const std::string& dir) {
+  AsyncCase c;
+  c.state = s.name;
+  c.bytes = s.bytes;
+  const std::size_t padded = (s.bytes + 4095) / 4096 * 4096;
+  void* raw = nullptr;
+  if (::posix_memalign(&raw, 4096, std::max<std::size_t>(padded, 4096)) != 0) {
+    throw std::runtime_error("A: posix_memalign failed");
+  }
+  std::unique_ptr<void, decltype(&std::free)> buffer(raw, &std::free);
+  auto* bytes = static_cast<std::uint8_t*>(raw);
+  std::memset(bytes, 0, padded);  // faulted in, untimed
+  const std::string file = dir + "/" + s.name + ".async.safetensors";
+  const std::string direct = dir + "/" + s.name + ".o_direct.bin";
+  auto recycle = [&] {
+    if (options.recycle) recycle_pages(dir, s.bytes);
+  };
+
+  // Peak memory of a first asynchronous save, staging allocation included; untimed.
+  malloc_trim(0);
+  {
+    torchpoint::AsyncCheckpointer fresh;
+    PeakMemory peak;
+    fresh.save_file(file, s.data);
+    fresh.wait();
+    c.async_peak_extra = peak.finish().rss;
+  }
+  torchpoint::AsyncCheckpointer saver;
+  saver.save_file(file, s.data);  // makes the staging memory the timed saves reuse
+  saver.wait();
+  c.staging_bytes = saver.staging_bytes();
+
+  for (int rep = 0; rep < options.reps; ++rep) {
+    for (int k = 0; k < 4; ++k) {
+      switch ((rep + k) % 4) {
+        case 0: {
+          c.memcpy_s.push_back(time_seconds([&] {
+            std::size_t offset = 0;
+            for (const auto& [name, t] : s.data.tensors) {
+              std::memcpy(bytes + offset, t.data_ptr(), t.nbytes());
+              offset += t.nbytes();
+            }
+          }));
+          break;
+        }
+        case 1:
+          remove_if_exists(direct);
+          recycle();
+          c.o_direct_s.push_back(time_seconds([&] { write_o_direct(direct, bytes, padded); }));
+          break;
+        case 2:
+          remove_if_exists(file);
+          recycle();
+          c.sync_s.push_back(time_seconds([&] { torchpoint::save_file(file, s.data); }));
+          break;
+        case 3: {
+          remove_if_exists(file);
+          recycle();
+          Clock::time_point start = Clock::now();
+          saver.save_file(file, s.data);
+          Clock::time_point returned = Clock::now();
+          saver.wait();
+          Clock::time_point committed = Clock::now();
+          c.stall_s.push_back(std::chrono::duration<double>(returned - start).count());
+          c.commit_s.push_back(std::chrono::duration<double>(committed - start).count());
+          break;
+        }
+      }
+    }
+    std::fprintf(stderr, "A rep %d/%d %s done\n", rep + 1, options.reps, s.name.c_str());
+  }
+  remove_if_exists(file);
+  remove_if_exists(direct);
+  return c;
+}
+
+void run_async_bench(const Options& options, const std::vector<State>& states,
+                     const std::string& dir, std::FILE* table, std::FILE* json) {
+  std::vector<AsyncCase> cases;
+  for (const State& s : states) cases.push_back(run_async_case(s, options, dir));
+  fmt::print(table,
+             "\nA: asynchronous saves (median of {} reps; s and GB/s): stall = until "
+             "AsyncCheckpointer::save_file returns, commit = until wait() returns\n",
+             options.reps);
+  fmt::print(table, "{:<5} | {:>12} | {:>12} | {:>12} | {:>7} {:>12} | {:>11} {:>11} {:>9} | {}\n",
+             "state", "memcpy", "O_DIRECT", "sync save", "stall", "commit", "stall/memcpy",
+             "commit/sync", "sync/O_D", "peak extra MiB (first async save, staging made)");
+  for (const AsyncCase& c : cases) {
+    auto cell = [&](const std::vector<double>& v) {
+      return fmt::format("{:.3f} {:>5}", median(v), gbps(c.bytes, median(v)));
+    };
+    fmt::print(table,
+               "{:<5} | {:>12} | {:>12} | {:>12} | {:>7.3f} {:>12} | {:>11.2f} {:>11.2f} {:>9.2f} "
+               "| {} (staging {})\n",
+               c.state, cell(c.memcpy_s), cell(c.o_direct_s), cell(c.sync_s), median(c.stall_s),
+               cell(c.commit_s), median(c.stall_s) / median(c.memcpy_s),
+               median(c.commit_s) / median(c.sync_s), median(c.sync_s) / median(c.o_direct_s),
+               mib(c.async_peak_extra), mib(static_cast<std::int64_t>(c.staging_bytes)));
+  }
+  if (json == nullptr) return;
+  for (const AsyncCase& c : cases) {
+    auto line = [&](const char* system, const std::vector<double>& v) {
+      return nlohmann::ordered_json{{"state", c.state}, {"op", "save"},
+                                    {"system", system}, {"seconds", median(v)},
+                                    {"bytes", c.bytes}, {"reps", options.reps}};
+    };
+    fmt::print(json, "{}\n", line("memcpy", c.memcpy_s).dump());
+    fmt::print(json, "{}\n", line("o_direct", c.o_direct_s).dump());
+    nlohmann::ordered_json async = line("torchpoint-async", c.commit_s);
+    async["stall_seconds"] = median(c.stall_s);
+    async["peak_extra_mib"] = c.async_peak_extra / kMiB;
+    fmt::print(json, "{}\n", async.dump());
   }
 }
 
@@ -864,15 +1013,17 @@ void run_keys_bench(const Options& options, const std::string& dir, std::FILE* t
 
 constexpr const char* kUsage =
     "usage: torchpoint_bench [--reps N] [--states S1,S2,S3,J] [--dir PATH] [--hot] [--no-recycle]\n"
-    "                        [--quick] [--json]\n"
+    "                        [--no-async] [--quick] [--json]\n"
     "  --reps N       timed repetitions per case (default 5); medians are reported\n"
     "  --states LIST  subset of S1 (256 MiB tensor), S2 (model + Adam), S3 (20k small tensors),\n"
     "                 J (20k and 100k JSON values in a state file and in a manifest)\n"
     "  --dir PATH     scratch directory (default: a new directory under the temp dir, removed)\n"
     "  --hot          load from the page cache instead of cold (the default)\n"
     "  --no-recycle   skip writing+unlinking a same-size file before each op (VM idle effect)\n"
+    "  --no-async     skip A: async saves against memcpy, O_DIRECT + fsync and the sync save\n"
     "  --quick        small states for a smoke run (S1 16 MiB, S2 2 blocks, S3 2000 tensors)\n"
-    "  --json         one JSON object per (state, op) on stdout; the table goes to stderr\n";
+    "  --json         one JSON object per (state, op, system) on stdout; the table goes to "
+    "stderr\n";
 
 Options parse_options(int argc, char** argv) {
   Options o;
@@ -909,6 +1060,8 @@ Options parse_options(int argc, char** argv) {
       }
     } else if (arg == "--json") {
       o.json = true;
+    } else if (arg == "--no-async") {
+      o.async = false;
     } else if (arg == "--quick") {
       o.quick = true;
     } else if (arg == "--hot") {
@@ -947,10 +1100,14 @@ int main(int argc, char** argv) {
     }
     std::FILE* table = options.json ? stderr : stdout;
     if (!states.empty()) {
-      Bench bench(options, std::move(states));
+      Bench bench(options, states);  // shares the tensors
       bench.run();
       bench.print_table(table);
       if (options.json) bench.print_json(stdout);
+      if (options.async) {
+        ScratchDir dir(options.dir);
+        run_async_bench(options, states, dir.path(), table, options.json ? stdout : nullptr);
+      }
     }
     if (std::find(options.states.begin(), options.states.end(), "J") != options.states.end()) {
       ScratchDir dir(options.dir);

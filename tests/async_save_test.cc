@@ -56,7 +56,8 @@ TEST(AsyncSave, WritesTheSnapshotNotWhatTheLoopChangedAfterwards) {
   at::Tensor w = torch::arange(1000, torch::kFloat32).reshape({10, 100});
   at::Tensor strided = torch::arange(12, torch::kInt64).reshape({3, 4}).t();  // not contiguous
   const at::Tensor w_before = w.clone(), strided_before = strided.clone();
-  SaveHandle handle = saver.save_file(dir / "a.ckpt", {{{"w", w}, {"s", strided}}, {{"step", 3}}});
+  SaveHandle handle = saver.save_file(
+      dir / "a.ckpt", {{{"w", w}, {"s", strided}, {"empty", torch::empty({0, 3})}}, {{"step", 3}}});
   EXPECT_EQ(handle.path(), dir / "a.ckpt");
   gate.wait_reached();  // the writer is running, and waits
   EXPECT_FALSE(handle.done());
@@ -67,7 +68,8 @@ TEST(AsyncSave, WritesTheSnapshotNotWhatTheLoopChangedAfterwards) {
   handle.wait();
   EXPECT_TRUE(handle.done());
   Container got = load_file(dir / "a.ckpt");
-  ASSERT_EQ(got.tensors.size(), 2u);
+  ASSERT_EQ(got.tensors.size(), 3u);
+  EXPECT_EQ(got.tensors[2].second.sizes(), (std::vector<std::int64_t>{0, 3}));
   EXPECT_TRUE(testing::bitwise_equal(got.tensors[0].second, w_before));
   EXPECT_TRUE(testing::bitwise_equal(got.tensors[1].second, strided_before));
   EXPECT_EQ(got.state["step"], 3);

@@ -5,12 +5,14 @@
 //   before_save:E     at the end of epoch E, before auto_resume saves it
 //   after_save:E      at the end of epoch E, after auto_resume saved it
 //   op:N              before the N-th file-system call of this process (inside some save)
+// SAVES is "sync", or "async" for auto_resume and model_checkpoint saving in the background.
 // Appends "step <n> <loss bits hex>" per step and "resumed" to LOG; at the end writes
 // DIR/final.ckpt (model, optimizer, counters, records) and appends "ops <file-system calls>"
 // and "done".
 #include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
@@ -49,11 +51,12 @@ struct At : tp::Callback {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 4) {
-    std::fprintf(stderr, "usage: learner_child DIR LOG KILL\n");
+  if (argc != 5) {
+    std::fprintf(stderr, "usage: learner_child DIR LOG KILL SAVES\n");
     return 2;
   }
   const std::string dir = argv[1], log = argv[2], kill = argv[3];
+  const bool async = std::string(argv[4]) == "async";
   long kill_epoch = -1, kill_batch = -1, kill_before = -1, kill_after = -1, kill_op = -1;
   std::sscanf(kill.c_str(), "batch:%ld:%ld", &kill_epoch, &kill_batch);
   std::sscanf(kill.c_str(), "before_save:%ld", &kill_before);
@@ -61,7 +64,7 @@ int main(int argc, char** argv) {
   std::sscanf(kill.c_str(), "op:%ld", &kill_op);
 
   tp::testing::FaultEnv env;
-  long ops = 0;
+  std::atomic<long> ops = 0;  // background saves make their calls on their own thread
   env.set_before_op([&](tp::testing::Op, const std::string&) {
     if (++ops == kill_op) ::raise(SIGKILL);
   });
@@ -98,15 +101,17 @@ int main(int argc, char** argv) {
           .env(&env)
           .valid_data({valid.x, valid.y})
           .metrics({tp::metrics::mae()})
-          .callbacks({early, tp::callbacks::lr_scheduler([](torch::optim::Optimizer& opt) {
-                        return std::make_unique<tp::StepLR>(opt, tp::StepLROptions(2).gamma(0.5));
-                      }),
-                      tp::callbacks::model_checkpoint(dir + "/ckpts/").save_best_only(true),
-                      tp::callbacks::early_stopping().patience(100),
-                      std::make_shared<tp::testing::LossTally>(),
-                      tp::callbacks::auto_resume(dir + "/state.ckpt").save_every_steps(10), late}));
+          .callbacks(
+              {early, tp::callbacks::lr_scheduler([](torch::optim::Optimizer& opt) {
+                 return std::make_unique<tp::StepLR>(opt, tp::StepLROptions(2).gamma(0.5));
+               }),
+               tp::callbacks::model_checkpoint(dir + "/ckpts/").save_best_only(true).async(async),
+               tp::callbacks::early_stopping().patience(100),
+               std::make_shared<tp::testing::LossTally>(),
+               tp::callbacks::auto_resume(dir + "/state.ckpt").save_every_steps(10).async(async),
+               late}));
   learner->save_checkpoint(dir + "/final.ckpt");
-  tp::testing::append_line(log, "ops " + std::to_string(ops));
+  tp::testing::append_line(log, "ops " + std::to_string(ops.load()));
   tp::testing::append_line(log, "done");
   return 0;
 }

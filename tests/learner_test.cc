@@ -352,6 +352,32 @@ TEST(Learner, ModelCheckpointSaveTopKKeepsTheBestAndTheNewest) {
       {data.x, data.y}, options(dir / "resumed/", {callbacks::auto_resume(dir / "state.ckpt")}));
   EXPECT_EQ(testing::list_sorted(dir / "resumed"), whole);
 
+  // The same with both callbacks saving in the background: the deletions wait for each commit.
+  auto async_options = [&](const std::string& ckpts, std::vector<CallbackPtr> extra) {
+    std::vector<CallbackPtr> cbs = {callbacks::model_checkpoint(ckpts)
+                                        .monitor("train_loss")
+                                        .mode(Mode::kMax)
+                                        .save_top_k(2)
+                                        .async(true)};
+    for (auto& c : extra) cbs.push_back(c);
+    return quiet(6).seed(7).callbacks(cbs);
+  };
+  testing::linear_learner()->fit({data.x, data.y}, async_options(dir / "async/", {}));
+  EXPECT_EQ(testing::list_sorted(dir / "async"), whole);
+  EXPECT_THROW(testing::linear_learner()->fit(
+                   {data.x, data.y},
+                   async_options(dir / "async-resumed/",
+                                 {std::make_shared<Interrupt>(4),
+                                  callbacks::auto_resume(dir / "async-state.ckpt").async(true)})),
+               CallbackError);
+  testing::linear_learner()->fit(
+      {data.x, data.y},
+      async_options(dir / "async-resumed/",
+                    {callbacks::auto_resume(dir / "async-state.ckpt").async(true)}));
+  EXPECT_EQ(testing::list_sorted(dir / "async-resumed"), whole);
+  EXPECT_FALSE(std::filesystem::exists(dir / "async-state.ckpt"))
+      << "deleted at the end of the fit, after its last background save";
+
   expect_error([] { callbacks::model_checkpoint("x/").save_top_k(0).build(); },
                ErrorCode::InvalidArgument, {"save_top_k"});
 }

@@ -40,6 +40,10 @@ struct AutoResumeOptions {
   explicit AutoResumeOptions(std::string path = "./state.ckpt") : path_(std::move(path)) {}
   TORCH_ARG(std::string, path);
   TORCH_ARG(std::int64_t, save_every_steps) = 0;  // 0: only at epoch ends
+  // Save in the background (Learner::save_checkpoint with an AsyncCheckpointer): the fit stops
+  // only while the state is copied. The next save, and the end of the fit, wait for the
+  // previous one and throw its error.
+  TORCH_ARG(bool, async) = false;
 
  public:
   CallbackPtr build() const;
@@ -68,6 +72,9 @@ struct ModelCheckpointOptions {
   TORCH_ARG(Mode, mode) = Mode::kMin;
   TORCH_ARG(double, min_delta) = 0.0;
   TORCH_ARG(std::optional<std::size_t>, save_top_k);
+  // Save in the background, as auto_resume's async: save_top_k's deletions then wait for the
+  // new file's commit (they run at the next save or at the end of the fit).
+  TORCH_ARG(bool, async) = false;
   // Names the callback's state in checkpoints; two in one fit need different names.
   TORCH_ARG(std::string, name) = "model_checkpoint";
 

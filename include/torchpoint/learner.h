@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "torchpoint/async_save.h"
 #include "torchpoint/data_position.h"
 #include "torchpoint/env.h"
 #include "torchpoint/error.h"
@@ -145,6 +146,13 @@ struct Context {
   // Prints "torchpoint: warning: <message>" where the fit's progress goes
   // (FitOptions::output, std::cout when null), unless the fit is verbose(false).
   void warn(const std::string& message) const;
+
+  // The fit's background saver, made at first use: callbacks that save asynchronously share it,
+  // so that their saves commit in the order they were made (a checkpoint never records a file
+  // of another callback that is not committed yet). fit() waits for it after on_fit_end and
+  // throws its error.
+  AsyncCheckpointer& background_saver();
+  std::unique_ptr<AsyncCheckpointer> async_saver;
 };
 
 // The callbacks of fit(), with luz's hooks, called in this order for each epoch:
@@ -400,6 +408,9 @@ class Learner {
   // during a fit also the data position, the running epoch's accumulators, every callback's
   // state and the RNG state — atomically to `path` (a single file; see docs/format.md).
   void save_checkpoint(const std::string& path, Env* env = nullptr) const;
+  // The same checkpoint, written in the background by `saver` (see AsyncCheckpointer): returns
+  // once the state is copied; training may go on at once.
+  SaveHandle save_checkpoint(const std::string& path, AsyncCheckpointer& saver) const;
   // Restores the parts of a checkpoint that `what` selects. Everything is read, verified and
   // matched (keys, shapes, callback names) before anything changes; if a part still refuses its
   // state, the parts already restored are put back. Throws NotFound, Corruption or
@@ -414,6 +425,7 @@ class Learner {
   const TrainingCounters& counters() const { return counters_; }
 
  private:
+  Container checkpoint_contents() const;
   template <typename M>
   static auto as_module(M& model) {
     if constexpr (requires { model.ptr(); }) {

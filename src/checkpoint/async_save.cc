@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <condition_variable>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <mutex>
 #include <thread>
@@ -96,7 +97,14 @@ struct AsyncCheckpointer::Staging {
       }
       at::Tensor view = at::from_blob(base + offset, t.sizes(),
                                       at::TensorOptions().dtype(t.scalar_type()).device(at::kCPU));
-      view.copy_(t);
+      if (t.device().is_cpu() && t.is_contiguous()) {
+        // One plain copy on this thread: at::copy_ would hand each tensor to the intra-op pool,
+        // whose wake-ups cost more than the copy for most tensors of a model and stall on a busy
+        // machine.
+        if (t.nbytes() > 0) std::memcpy(base + offset, t.data_ptr(), t.nbytes());
+      } else {
+        view.copy_(t);  // strided layouts, other devices
+      }
       offset += aligned(t.nbytes());
       out.emplace_back(name, std::move(view));
     }

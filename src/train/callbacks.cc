@@ -91,6 +91,7 @@ class AutoResume final : public Callback {
   }
   void on_epoch_end(Context& ctx) override { save(ctx); }
   void on_fit_end(Context& ctx) override {
+    if (options_.async()) ctx.background_saver().wait();
     // The run is complete: as luz does, the next fit starts from scratch.
     if (ctx.env->stat(options_.path()).exists) {
       ctx.env->remove_file(options_.path());
@@ -102,7 +103,11 @@ class AutoResume final : public Callback {
  private:
   void save(Context& ctx) {
     ensure_directory(*ctx.env, parent_path(options_.path()));
-    ctx.learner->save_checkpoint(options_.path(), ctx.env);
+    if (options_.async()) {
+      ctx.learner->save_checkpoint(options_.path(), ctx.background_saver());
+    } else {
+      ctx.learner->save_checkpoint(options_.path(), ctx.env);
+    }
   }
   AutoResumeOptions options_;
 };
@@ -128,6 +133,10 @@ class ModelCheckpoint final : public Callback {
     if (directory_) ensure_directory(*ctx.env, path);
   }
 
+  void on_fit_end(Context& ctx) override {
+    if (options_.async()) finish_previous_save(ctx);
+  }
+
   void on_epoch_end(Context& ctx) override {
     double value = metric_value(ctx, options_.monitor());
     bool better = improves(value, best_, options_.mode(), options_.min_delta());
@@ -135,10 +144,15 @@ class ModelCheckpoint final : public Callback {
     if (options_.save_best_only() && !better) return;
     std::string path = file_for(ctx, value);
     ensure_directory(*ctx.env, parent_path(path));
-    ctx.learner->save_checkpoint(path, ctx.env);
+    if (options_.async()) {
+      finish_previous_save(ctx);
+      ctx.learner->save_checkpoint(path, ctx.background_saver());
+    } else {
+      ctx.learner->save_checkpoint(path, ctx.env);
+    }
     std::erase_if(saved_, [&](const Saved& f) { return f.path == path; });  // overwritten
     saved_.push_back({path, value});
-    if (options_.save_top_k()) keep_top_k(*ctx.env);
+    if (options_.save_top_k() && !options_.async()) keep_top_k(*ctx.env);
   }
 
   StateDict state_dict() const override {
@@ -201,6 +215,13 @@ class ModelCheckpoint final : public Callback {
                               "fields it may use are {}",
                               options_.path(), e.what(), fmt::join(fields, ", ")));
     }
+  }
+
+  // With async: waits for the saves in flight (the last one this callback started among them),
+  // then applies save_top_k, which must never run before the newest file is committed.
+  void finish_previous_save(Context& ctx) {
+    ctx.background_saver().wait();
+    if (options_.save_top_k()) keep_top_k(*ctx.env);
   }
 
   // The retention policy of the checkpoint layer over the files this callback wrote, oldest

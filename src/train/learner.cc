@@ -174,6 +174,11 @@ void Context::warn(const std::string& message) const {
   out << "torchpoint: warning: " << message << std::endl;
 }
 
+AsyncCheckpointer& Context::background_saver() {
+  if (!async_saver) async_saver = std::make_unique<AsyncCheckpointer>(*env);
+  return *async_saver;
+}
+
 void Learner::init(std::shared_ptr<torch::nn::Module> model, Forward forward,
                    std::shared_ptr<torch::optim::Optimizer> optimizer, Loss loss) {
   if (!model || !optimizer || !forward || !loss) {
@@ -411,6 +416,7 @@ FitResult Learner::fit(const FitData& data, const FitOptions& options) {
     progress.epoch_end(ctx.metrics);
   }
   run.each("on_fit_end", &Callback::on_fit_end);
+  if (ctx.async_saver) ctx.async_saver->wait();  // the last background save, committed
 
   FitResult result;
   result.records = records_;

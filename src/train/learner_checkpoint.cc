@@ -181,6 +181,14 @@ StateDict read_checkpoint(const std::string& path, Env& env) {
 }  // namespace
 
 void Learner::save_checkpoint(const std::string& path, Env* env) const {
+  save_file(path, checkpoint_contents(), env_or_default(env));
+}
+
+SaveHandle Learner::save_checkpoint(const std::string& path, AsyncCheckpointer& saver) const {
+  return saver.save_file(path, checkpoint_contents());
+}
+
+Container Learner::checkpoint_contents() const {
   StateDict state;
   state.set("learner.format", kFormat);
   state.set("learner.version", kVersion);
@@ -200,7 +208,7 @@ void Learner::save_checkpoint(const std::string& path, Env* env) const {
     state.set_child("callbacks", CallbacksPart{run_}.state_dict());
     state.set_child("rng", RngState().state_dict());
   }
-  save_file(path, state.to_container(), env_or_default(env));
+  return state.to_container();
 }
 
 void Learner::restore_checkpoint(const std::string& path, const RestoreOptions& what, Env* env) {
