@@ -19,6 +19,7 @@ namespace torchpoint {
 
 namespace detail {
 struct AsyncJob;
+struct PendingCopy;
 }  // namespace detail
 
 // One save running in the background. Copyable; all copies refer to the same save.
@@ -43,9 +44,11 @@ class SaveHandle {
 // Runs saves in the background, one at a time. A save first waits for the previous one (and
 // throws that one's error if nobody has received it yet: the new save is then not started),
 // copies the state into staging memory on the calling thread, and returns a handle while a
-// background thread writes and commits. Staging memory is allocated for the largest state saved
-// so far and reused; its bytes never exceed that state's tensor bytes plus 64 bytes of alignment
-// per tensor. Tensors on a CUDA device are copied into pinned host memory.
+// background thread writes and commits. The writer starts at once and sends each part to the
+// disk as soon as it is copied. Staging memory is allocated for the largest state saved so far
+// and reused; it holds each file's tensor bytes as the file will (so they are not copied twice),
+// which takes that state's tensor bytes plus at most 4 KiB per file and 4 KiB. Tensors on a CUDA
+// device are copied into pinned host memory.
 //
 // Not thread-safe: call it from one thread. The destructor waits for the save in flight and
 // never throws; an error nobody received is then printed on stderr.
@@ -86,6 +89,9 @@ class AsyncCheckpointer {
  private:
   struct Staging;
   SaveHandle start(const std::string& path, std::function<void()> write);
+  // Starts `write` on the background thread, then makes `copies` on this one.
+  SaveHandle snapshot_and_start(const std::string& path, std::vector<detail::PendingCopy> copies,
+                                std::function<void()> write);
   Env& env_;
   std::unique_ptr<Staging> staging_;
   std::shared_ptr<detail::AsyncJob> job_;

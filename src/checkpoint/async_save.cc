@@ -8,9 +8,13 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <limits>
 #include <mutex>
 #include <thread>
 #include <utility>
+
+#include "format/staging_gate.h"
+#include "io/huge_pages.h"
 
 namespace torchpoint {
 
@@ -48,69 +52,135 @@ struct AsyncJob {
 
 namespace {
 
-constexpr std::size_t kAlignment = 64;
-
-std::size_t aligned(std::size_t n) { return (n + kAlignment - 1) / kAlignment * kAlignment; }
-
 // Only dense tensors are copied; any other layout is passed on for the writer to refuse.
 bool stageable(const at::Tensor& t) { return t.defined() && t.layout() == at::kStrided; }
 
 }  // namespace
 
-// One buffer, sliced into a view per tensor. It is reallocated only when a state does not fit
-// (or a CUDA tensor needs pinned memory it lacks), and only between saves: the previous save
-// has finished with it by then.
+namespace detail {
+
+// A tensor still to be copied into its view of the staging buffer.
+struct PendingCopy {
+  at::Tensor source;
+  at::Tensor view;
+  std::size_t end;  // offset in the buffer where its bytes end
+};
+
+}  // namespace detail
+
+using detail::PendingCopy;
+
+// One buffer, sliced into a view per tensor. Each container's tensors are laid out as its file
+// will hold them (data order: descending element size, the caller's order among equals; no gaps;
+// the first at a 4096-byte boundary), so that the writer sends the buffer to the disk as it is,
+// without copying it again. It is reallocated only when a state does not fit (or a CUDA tensor
+// needs pinned memory it lacks), and only between saves: the previous save has finished with it
+// by then.
 struct AsyncCheckpointer::Staging {
-  at::Tensor buffer;  // uint8
+  static constexpr std::size_t kImageAlign = 4096;  // O_DIRECT's alignment
+
+  at::Tensor buffer;  // uint8; base() is its first 4096-byte boundary
   bool pinned = false;
 
+  static std::size_t round_up(std::size_t n) {
+    return (n + kImageAlign - 1) / kImageAlign * kImageAlign;
+  }
+
+  // The bytes one container's image takes, rounded up to a whole block (O_DIRECT writes the
+  // last block whole).
   static std::size_t bytes_needed(const NamedTensors& tensors, bool& any_cuda) {
     std::size_t total = 0;
     for (const auto& [name, t] : tensors) {
       if (!stageable(t)) continue;
-      total += aligned(t.nbytes());
+      total += t.nbytes();
       any_cuda = any_cuda || t.is_cuda();
     }
-    return total;
+    return round_up(total);
   }
 
   void reserve(std::size_t bytes, bool need_pinned) {
-    const bool fits = buffer.defined() && static_cast<std::size_t>(buffer.numel()) >= bytes;
+    const bool fits = buffer.defined() && capacity() >= bytes;
     if (fits && (pinned || !need_pinned)) return;
     buffer = at::Tensor();  // free the old buffer before taking the new one
     at::TensorOptions options = at::TensorOptions().dtype(at::kByte);
     if (need_pinned) options = options.pinned_memory(true);
-    // Aligned beyond the first tensor: the allocator's own alignment is at least 64 bytes.
-    buffer = at::empty({static_cast<std::int64_t>(std::max<std::size_t>(bytes, 1))}, options);
+    buffer = at::empty({static_cast<std::int64_t>(bytes + kImageAlign)}, options);
     pinned = need_pinned;
+    if (!pinned) advise_huge_pages(buffer.data_ptr(), static_cast<std::size_t>(buffer.numel()));
   }
 
-  // Copies of `tensors`, each a view of the buffer from `offset` on, on the CPU, contiguous.
-  NamedTensors copy(const NamedTensors& tensors, std::size_t& offset) {
-    NamedTensors out;
-    out.reserve(tensors.size());
-    auto* base = static_cast<std::uint8_t*>(buffer.data_ptr());
-    for (const auto& [name, t] : tensors) {
-      if (!stageable(t)) {
-        out.emplace_back(name, t);
-        continue;
-      }
-      at::Tensor view = at::from_blob(base + offset, t.sizes(),
-                                      at::TensorOptions().dtype(t.scalar_type()).device(at::kCPU));
-      if (t.device().is_cpu() && t.is_contiguous()) {
-        // One plain copy on this thread: at::copy_ would hand each tensor to the intra-op pool,
-        // whose wake-ups cost more than the copy for most tensors of a model and stall on a busy
-        // machine.
-        if (t.nbytes() > 0) std::memcpy(base + offset, t.data_ptr(), t.nbytes());
-      } else {
-        view.copy_(t);  // strided layouts, other devices
-      }
-      offset += aligned(t.nbytes());
-      out.emplace_back(name, std::move(view));
+  std::uint8_t* base() const {
+    auto address = reinterpret_cast<std::uintptr_t>(buffer.data_ptr());
+    return reinterpret_cast<std::uint8_t*>((address + kImageAlign - 1) / kImageAlign * kImageAlign);
+  }
+  std::size_t capacity() const {
+    if (!buffer.defined()) return 0;
+    return static_cast<std::size_t>(buffer.numel()) -
+           static_cast<std::size_t>(base() - static_cast<std::uint8_t*>(buffer.data_ptr()));
+  }
+
+  // Views of the buffer from `offset` (a block boundary) on, one per tensor of `tensors`, in the
+  // caller's order, laid out in data order; `offset` moves past the image. The copies still to
+  // be made are appended to `copies`, in buffer order.
+  NamedTensors views(const NamedTensors& tensors, std::size_t& offset,
+                     std::vector<PendingCopy>& copies) {
+    std::vector<std::size_t> order;
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      if (stageable(tensors[i].second)) order.push_back(i);
     }
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+      return tensors[a].second.element_size() > tensors[b].second.element_size();
+    });
+    NamedTensors out = tensors;  // the tensors that are not staged stay as they are
+    std::size_t at = offset;
+    for (std::size_t i : order) {
+      const at::Tensor& t = tensors[i].second;
+      at::Tensor view = at::from_blob(base() + at, t.sizes(),
+                                      at::TensorOptions().dtype(t.scalar_type()).device(at::kCPU));
+      at += t.nbytes();
+      copies.push_back({t, view, at});
+      out[i].second = std::move(view);
+    }
+    offset = offset + round_up(at - offset);
     return out;
   }
 };
+
+namespace {
+
+// The writer's chunk: publishing more often wakes it for no use.
+constexpr std::size_t kPublishEvery = 8u << 20;
+
+// Copies every pending tensor, front to back, telling the writer how far the copy has got.
+void fill(const std::vector<PendingCopy>& copies, detail::StagingGate& gate) {
+  std::size_t published = 0;
+  for (const PendingCopy& c : copies) {
+    const at::Tensor& t = c.source;
+    if (!t.device().is_cpu() || !t.is_contiguous()) {
+      c.view.copy_(t);  // strided layouts, other devices
+      continue;
+    }
+    // Plain copies on this thread (at::copy_ would hand each tensor to the intra-op pool, whose
+    // wake-ups cost more than the copy for most tensors of a model and stall on a busy
+    // machine), a chunk at a time, each published at once: the writer sends it to the disk
+    // while the next is copied.
+    const auto* src = static_cast<const std::uint8_t*>(t.data_ptr());
+    auto* dst = static_cast<std::uint8_t*>(c.view.data_ptr());
+    const std::size_t size = t.nbytes(), start = c.end - size;
+    for (std::size_t done = 0; done < size;) {
+      const std::size_t piece = std::min(kPublishEvery, size - done);
+      std::memcpy(dst + done, src + done, piece);
+      done += piece;
+      if (start + done - published >= kPublishEvery) {
+        published = start + done;
+        gate.publish(published);
+      }
+    }
+  }
+  gate.publish(std::numeric_limits<std::size_t>::max());
+}
+
+}  // namespace
 
 SaveHandle::SaveHandle(std::shared_ptr<detail::AsyncJob> job) : job_(std::move(job)) {}
 
@@ -183,19 +253,48 @@ SaveHandle AsyncCheckpointer::start(const std::string& path, std::function<void(
   return SaveHandle(std::move(job));
 }
 
+SaveHandle AsyncCheckpointer::snapshot_and_start(const std::string& path,
+                                                 std::vector<PendingCopy> copies,
+                                                 std::function<void()> write) {
+  // The writer starts at once (opening files, writing what is already copied) while this
+  // thread copies the rest; it waits at each tensor not copied yet.
+  auto gate = std::make_shared<detail::StagingGate>(staging_->base(), staging_->capacity());
+  SaveHandle handle = start(path, [gate, write = std::move(write)] {
+    struct Scope {
+      explicit Scope(const detail::StagingGate* g) { detail::current_staging_gate = g; }
+      ~Scope() { detail::current_staging_gate = nullptr; }
+    } scope(gate.get());
+    write();
+  });
+  try {
+    fill(copies, *gate);
+  } catch (...) {
+    // The writer stops at the first tensor not copied and removes what it wrote; its error is
+    // a consequence of this one, which is the one the caller gets.
+    gate->abandon();
+    std::shared_ptr<detail::AsyncJob> job = std::move(job_);
+    job_.reset();
+    job->thread.join();
+    throw;
+  }
+  return handle;
+}
+
 SaveHandle AsyncCheckpointer::save_file(const std::string& path, const Container& contents,
                                         std::function<void()> after_commit) {
   wait();
   bool any_cuda = false;
   staging_->reserve(Staging::bytes_needed(contents.tensors, any_cuda), any_cuda);
   std::size_t offset = 0;
-  Container snapshot{staging_->copy(contents.tensors, offset), contents.state};
+  std::vector<PendingCopy> copies;
+  Container snapshot{staging_->views(contents.tensors, offset, copies), contents.state};
   Env* env = &env_;
-  return start(path,
-               [path, snapshot = std::move(snapshot), env, after_commit = std::move(after_commit)] {
-                 torchpoint::save_file(path, snapshot, *env);
-                 if (after_commit) after_commit();
-               });
+  return snapshot_and_start(
+      path, std::move(copies),
+      [path, snapshot = std::move(snapshot), env, after_commit = std::move(after_commit)] {
+        torchpoint::save_file(path, snapshot, *env);
+        if (after_commit) after_commit();
+      });
 }
 
 SaveHandle AsyncCheckpointer::save_directory(const std::string& path,
@@ -206,21 +305,25 @@ SaveHandle AsyncCheckpointer::save_directory(const std::string& path,
   wait();
   bool any_cuda = false;
   std::size_t bytes = 0;
-  for (const Component& c : components)
+  for (const Component& c : components) {
     bytes += Staging::bytes_needed(c.contents.tensors, any_cuda);
+  }
   staging_->reserve(bytes, any_cuda);
   std::size_t offset = 0;
+  std::vector<PendingCopy> copies;
   std::vector<Component> snapshot;
   snapshot.reserve(components.size());
   for (const Component& c : components) {
-    snapshot.push_back({c.name, {staging_->copy(c.contents.tensors, offset), c.contents.state}});
+    snapshot.push_back(
+        {c.name, {staging_->views(c.contents.tensors, offset, copies), c.contents.state}});
   }
   Env* env = &env_;
-  return start(path, [path, snapshot = std::move(snapshot), info, options, env,
-                      after_commit = std::move(after_commit)] {
-    torchpoint::save_directory(path, snapshot, info, *env, options);
-    if (after_commit) after_commit();
-  });
+  return snapshot_and_start(path, std::move(copies),
+                            [path, snapshot = std::move(snapshot), info, options, env,
+                             after_commit = std::move(after_commit)] {
+                              torchpoint::save_directory(path, snapshot, info, *env, options);
+                              if (after_commit) after_commit();
+                            });
 }
 
 }  // namespace torchpoint

@@ -18,6 +18,8 @@
 
 #include "format/checksum.h"
 #include "format/container.h"
+#include "format/staging_gate.h"
+#include "io/huge_pages.h"
 #include "torchpoint/error.h"
 
 #ifndef TORCHPOINT_VERSION
@@ -42,9 +44,12 @@ struct AlignedFree {
 using AlignedBuffer = std::unique_ptr<std::uint8_t, AlignedFree>;
 
 AlignedBuffer allocate_aligned(std::size_t size) {
-  void* p =
-      std::aligned_alloc(kDirectAlign, round_up(std::max<std::size_t>(size, 1), kDirectAlign));
+  // A chunk is a whole number of huge pages, and gets them (see io/huge_pages.h).
+  const std::size_t align = size >= kHugePageSize ? kHugePageSize : kDirectAlign;
+  const std::size_t bytes = round_up(std::max<std::size_t>(size, 1), align);
+  void* p = std::aligned_alloc(align, bytes);
   if (p == nullptr) throw std::bad_alloc();
+  if (align == kHugePageSize) advise_huge_pages(p, bytes);
   return AlignedBuffer(static_cast<std::uint8_t*>(p));
 }
 
@@ -150,8 +155,10 @@ std::string build_header(const Container& contents, const std::vector<PlannedTen
 // Writes full chunks on a second thread while the caller fills the next one.
 class ChunkPipeline {
  public:
-  ChunkPipeline(File& file, bool threaded) : file_(file), threaded_(threaded) {
-    for (std::size_t i = 0; i < (threaded ? kChunkCount : 1); ++i) {
+  // `own_buffers` false: the caller submits only borrowed memory, acquire() is not used.
+  ChunkPipeline(File& file, bool threaded, bool own_buffers = true)
+      : file_(file), threaded_(threaded) {
+    for (std::size_t i = 0; own_buffers && i < (threaded ? kChunkCount : 1); ++i) {
       free_.push_back(allocate_aligned(kChunkSize));
     }
     if (threaded_) {
@@ -179,7 +186,22 @@ class ChunkPipeline {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       rethrow_locked();
-      pending_.push_back({std::move(buffer), size, offset});
+      const std::uint8_t* data = buffer.get();
+      pending_.push_back({std::move(buffer), data, size, offset});
+    }
+    cv_.notify_all();
+  }
+
+  // Writes `size` bytes at `data`, memory the caller keeps unchanged until finish().
+  void submit_borrowed(const std::uint8_t* data, std::size_t size, std::uint64_t offset) {
+    if (!threaded_) {
+      file_.write_all(data, size, offset);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      rethrow_locked();
+      pending_.push_back({AlignedBuffer(), data, size, offset});
     }
     cv_.notify_all();
   }
@@ -193,7 +215,8 @@ class ChunkPipeline {
 
  private:
   struct Job {
-    AlignedBuffer buffer;
+    AlignedBuffer buffer;  // null for borrowed memory
+    const std::uint8_t* data;
     std::size_t size;
     std::uint64_t offset;
   };
@@ -224,14 +247,14 @@ class ChunkPipeline {
         pending_.pop_front();
       }
       try {
-        file_.write_all(job.buffer.get(), job.size, job.offset);
+        file_.write_all(job.data, job.size, job.offset);
       } catch (...) {
         std::lock_guard<std::mutex> lock(mutex_);
         if (!error_) error_ = std::current_exception();
         cv_.notify_all();
         return;
       }
-      {
+      if (job.buffer) {
         std::lock_guard<std::mutex> lock(mutex_);
         free_.push_back(std::move(job.buffer));
       }
@@ -250,10 +273,55 @@ class ChunkPipeline {
   std::vector<std::thread> workers_;
 };
 
+// The start of the data as an asynchronous save staged it: every tensor at its data offset in
+// one piece of the save's staging memory, with room for O_DIRECT's last whole block; null when
+// the tensors are not laid out so (the writer then copies them, as for any other tensors).
+const std::uint8_t* staged_image(const std::vector<PlannedTensor>& planned, std::uint64_t data_size,
+                                 bool direct, const detail::StagingGate& gate) {
+  if (planned.empty()) return nullptr;
+  const auto* image = static_cast<const std::uint8_t*>(planned.front().tensor.data_ptr());
+  if (direct && reinterpret_cast<std::uintptr_t>(image) % kDirectAlign != 0) return nullptr;
+  for (const PlannedTensor& p : planned) {
+    if (static_cast<const std::uint8_t*>(p.tensor.data_ptr()) != image + p.begin) return nullptr;
+  }
+  const std::uint64_t extent = direct ? round_up(data_size, kDirectAlign) : data_size;
+  return gate.contains(image, static_cast<std::size_t>(extent)) ? image : nullptr;
+}
+
+// write_data() of a staged image: hashes each tensor where it lies, once the snapshot has
+// copied it, and writes the image itself, chunk by chunk, with no copy.
+std::uint64_t write_image(File& file, std::vector<PlannedTensor>& planned,
+                          const std::uint8_t* image, std::uint64_t data_start,
+                          std::uint64_t data_size, const detail::StagingGate& gate) {
+  ChunkPipeline pipeline(file, /*threaded=*/data_size > kChunkSize, /*own_buffers=*/false);
+  // First every chunk to the disk, each as soon as the snapshot has copied it; then the
+  // checksums, while the writes run: hashing during the copy would compete with it for memory
+  // bandwidth, and the copy is the training loop's stall.
+  for (std::uint64_t at = 0; at < data_size; at += kChunkSize) {
+    std::uint64_t size = std::min<std::uint64_t>(kChunkSize, data_size - at);
+    gate.wait_for(image + at, static_cast<std::size_t>(size));
+    // O_DIRECT writes the last block whole; the bytes past the data are cut by the caller.
+    if (file.direct()) size = round_up(size, kDirectAlign);
+    pipeline.submit_borrowed(image + at, static_cast<std::size_t>(size), data_start + at);
+  }
+  for (PlannedTensor& p : planned) {
+    const auto size = static_cast<std::size_t>(p.end - p.begin);
+    p.checksum = size > 0 ? xxh3(image + p.begin, size) : Xxh3Stream().digest();
+  }
+  pipeline.finish();
+  return file.direct() ? round_up(data_size, kDirectAlign) - data_size : 0;
+}
+
 // Streams every tensor's bytes into the file from `data_start` on, computing the checksums.
 // Returns the number of bytes written past the end of the data (O_DIRECT padding).
 std::uint64_t write_data(File& file, std::vector<PlannedTensor>& planned, std::uint64_t data_start,
                          std::uint64_t data_size) {
+  const detail::StagingGate* gate = detail::current_staging_gate;
+  if (gate != nullptr) {
+    if (const std::uint8_t* image = staged_image(planned, data_size, file.direct(), *gate)) {
+      return write_image(file, planned, image, data_start, data_size, *gate);
+    }
+  }
   ChunkPipeline pipeline(file, /*threaded=*/data_size > kChunkSize);
   AlignedBuffer chunk;
   std::size_t used = 0;
@@ -272,6 +340,8 @@ std::uint64_t write_data(File& file, std::vector<PlannedTensor>& planned, std::u
   for (PlannedTensor& p : planned) {
     const auto* src = static_cast<const std::uint8_t*>(p.tensor.data_ptr());
     std::uint64_t remaining = p.end - p.begin;
+    // An asynchronous save may still be copying this tensor into its staging memory.
+    if (gate != nullptr) gate->wait_for(src, static_cast<std::size_t>(remaining));
     Xxh3Stream stream;
     bool whole = true;  // the tensor went into the file in one piece: hash it in one call
     std::uint64_t hashed_whole = 0;

@@ -1,0 +1,65 @@
+#!/usr/bin/env python3
+"""Merges the --json lines of torchpoint_bench and bench/peers.py into one Markdown table.
+
+    python bench/table.py CPP.jsonl PEERS.jsonl > table.md
+
+For each state and operation, one row per system with its median seconds and GB/s, its ratio to
+the fastest peer (the systems a user would otherwise pick: torch::save/load, torch.save/load,
+safetensors, dcp, dcp-async, accelerate) and to the machine's limit measured in the same run
+(O_DIRECT write + fsync for saves, plain read() into new memory for loads). Lines of other
+shapes (the J section) are skipped.
+"""
+
+import json
+import sys
+
+PEERS = {"torch::save", "torch::load", "torch.save", "safetensors", "dcp", "dcp-async", "accelerate"}
+LIMIT = {"save": "o_direct", "load": "read"}
+OPS = ["save", "load", "load_into"]
+
+
+def read(paths):
+    rows = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                line = line.strip()
+                if not line.startswith("{"):
+                    continue
+                row = json.loads(line)
+                if {"state", "op", "system", "seconds", "bytes"} <= row.keys():
+                    rows.append(row)
+    return rows
+
+
+def main(argv):
+    if len(argv) < 2:
+        sys.exit(__doc__)
+    rows = read(argv[1:])
+    states = sorted({r["state"] for r in rows})
+    print("| state | op | system | s | GB/s | / fastest peer | / disk limit |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    for state in states:
+        for op in OPS:
+            here = [r for r in rows if r["state"] == state and r["op"] == op]
+            if not here:
+                continue
+            peers = [r["seconds"] for r in here if r["system"] in PEERS]
+            fastest = min(peers) if peers else None
+            # A load's limit is the save-free read of the same bytes; load_into compares with it too.
+            limit_rows = [r for r in rows if r["state"] == state
+                          and r["system"] == LIMIT["save" if op == "save" else "load"]]
+            limit = limit_rows[0]["seconds"] if limit_rows else None
+            for r in sorted(here, key=lambda r: r["seconds"]):
+                s = r["seconds"]
+                gbps = r["bytes"] / s / 1e9 if s > 0 else float("nan")
+                name = r["system"]
+                if "stall_seconds" in r:
+                    name += f" (stall {r['stall_seconds']:.3f} s)"
+                to_peer = f"{s / fastest:.2f}" if fastest else "-"
+                to_limit = f"{s / limit:.2f}" if limit else "-"
+                print(f"| {state} | {op} | {name} | {s:.3f} | {gbps:.2f} | {to_peer} | {to_limit} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv)
