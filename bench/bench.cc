@@ -72,6 +72,7 @@ struct Options {
   bool recycle = true;
   std::vector<std::string> states = {"S1", "S2", "S3", "J"};
   bool async = true;  // the A section, over the tensor states
+  bool into = true;   // the L section, over the tensor states
 };
 
 struct State {
@@ -904,6 +905,94 @@ void run_async_bench(const Options& options, const std::vector<State>& states,
   }
 }
 
+// ---- L: loads into an existing model's memory -----------------------------------------------
+//
+// What load_state() does: the checkpoint's tensors end up in memory the model already has. For
+// each tensor state: pread of the same bytes straight into existing tensors (the machine's
+// limit), and torchpoint::load_file (verified) followed by copy_ into existing tensors, as
+// ModuleState does. Cold: the page cache is dropped before each load.
+
+struct IntoCase {
+  std::string state;
+  std::uint64_t bytes = 0;
+  std::vector<double> pread_s, torchpoint_s;
+};
+
+IntoCase run_into_case(const State& s, const Options& options, const std::string& dir) {
+  IntoCase c;
+  c.state = s.name;
+  c.bytes = s.bytes;
+  const std::string file = dir + "/" + s.name + ".into.safetensors";
+  const std::string raw = dir + "/" + s.name + ".into.raw";
+  torchpoint::save_file(file, s.data);
+  save_raw(s, raw);
+  // The model's memory: allocated and written once, as a live model's is.
+  std::vector<at::Tensor> model;
+  for (const auto& [name, t] : s.data.tensors) model.push_back(torch::zeros_like(t));
+  for (int rep = 0; rep < options.reps; ++rep) {
+    for (int k = 0; k < 2; ++k) {
+      if ((rep + k) % 2 == 0) {
+        drop_page_cache(raw);
+        c.pread_s.push_back(time_seconds([&] {
+          int fd = open_or_throw(raw, O_RDONLY);
+          std::uint64_t offset = 0;
+          for (at::Tensor& t : model) {
+            std::size_t size = t.nbytes();
+            for (std::size_t done = 0; done < size;) {
+              ssize_t n = ::pread(fd, static_cast<std::uint8_t*>(t.data_ptr()) + done, size - done,
+                                  static_cast<off_t>(offset + done));
+              if (n < 0 && errno == EINTR) continue;
+              if (n <= 0) throw_errno("pread " + raw);
+              done += static_cast<std::size_t>(n);
+            }
+            offset += size;
+          }
+          close_or_throw(fd, raw);
+        }));
+      } else {
+        drop_page_cache(file);
+        c.torchpoint_s.push_back(time_seconds([&] {
+          Container loaded = torchpoint::load_file(file);
+          at::NoGradGuard no_grad;
+          for (std::size_t i = 0; i < model.size(); ++i) model[i].copy_(loaded.tensors[i].second);
+        }));
+      }
+    }
+    if (rep == 0 && !torch::equal(model.back(), s.data.tensors.back().second)) {
+      throw std::runtime_error("L: the load into existing memory returned other values");
+    }
+  }
+  remove_if_exists(file);
+  remove_if_exists(raw);
+  return c;
+}
+
+void run_into_bench(const Options& options, const std::vector<State>& states,
+                    const std::string& dir, std::FILE* table, std::FILE* json) {
+  std::vector<IntoCase> cases;
+  for (const State& s : states) cases.push_back(run_into_case(s, options, dir));
+  fmt::print(table,
+             "\nL: loads into existing memory (median of {} reps, cold; s and GB/s)\n"
+             "{:<5} | {:>14} | {:>24} | {:>10}\n",
+             options.reps, "state", "pread into", "torchpoint load + copy_", "tp/pread");
+  for (const IntoCase& c : cases) {
+    fmt::print(table, "{:<5} | {:>7.3f} {:>6} | {:>17.3f} {:>6} | {:>10.2f}\n", c.state,
+               median(c.pread_s), gbps(c.bytes, median(c.pread_s)), median(c.torchpoint_s),
+               gbps(c.bytes, median(c.torchpoint_s)), median(c.torchpoint_s) / median(c.pread_s));
+  }
+  if (json == nullptr) return;
+  for (const IntoCase& c : cases) {
+    for (const auto& [system, v] :
+         {std::pair<const char*, const std::vector<double>*>{"pread", &c.pread_s},
+          {"torchpoint", &c.torchpoint_s}}) {
+      nlohmann::ordered_json line = {{"state", c.state}, {"op", "load_into"},
+                                     {"system", system}, {"seconds", median(*v)},
+                                     {"bytes", c.bytes}, {"reps", options.reps}};
+      fmt::print(json, "{}\n", line.dump());
+    }
+  }
+}
+
 // ---- J: many JSON keys ----------------------------------------------------------------------
 //
 // The S3 of non-tensor state: a StateDict of N JSON values saved to one file and loaded back,
@@ -1025,7 +1114,7 @@ void run_keys_bench(const Options& options, const std::string& dir, std::FILE* t
 
 constexpr const char* kUsage =
     "usage: torchpoint_bench [--reps N] [--states S1,S2,S3,J] [--dir PATH] [--hot] [--no-recycle]\n"
-    "                        [--no-async] [--quick] [--json]\n"
+    "                        [--no-async] [--no-into] [--quick] [--json]\n"
     "  --reps N       timed repetitions per case (default 5); medians are reported\n"
     "  --states LIST  subset of S1 (256 MiB tensor), S2 (model + Adam), S3 (20k small tensors),\n"
     "                 J (20k and 100k JSON values in a state file and in a manifest)\n"
@@ -1033,6 +1122,7 @@ constexpr const char* kUsage =
     "  --hot          load from the page cache instead of cold (the default)\n"
     "  --no-recycle   skip writing+unlinking a same-size file before each op (VM idle effect)\n"
     "  --no-async     skip A: async saves against memcpy, O_DIRECT + fsync and the sync save\n"
+    "  --no-into      skip L: loads into existing memory against pread into it\n"
     "  --quick        small states for a smoke run (S1 16 MiB, S2 2 blocks, S3 2000 tensors)\n"
     "  --json         one JSON object per (state, op, system) on stdout; the table goes to "
     "stderr\n";
@@ -1072,6 +1162,8 @@ Options parse_options(int argc, char** argv) {
       }
     } else if (arg == "--json") {
       o.json = true;
+    } else if (arg == "--no-into") {
+      o.into = false;
     } else if (arg == "--no-async") {
       o.async = false;
     } else if (arg == "--quick") {
@@ -1119,6 +1211,10 @@ int main(int argc, char** argv) {
       if (options.async) {
         ScratchDir dir(options.dir);
         run_async_bench(options, states, dir.path(), table, options.json ? stdout : nullptr);
+      }
+      if (options.into) {
+        ScratchDir dir(options.dir);
+        run_into_bench(options, states, dir.path(), table, options.json ? stdout : nullptr);
       }
     }
     if (std::find(options.states.begin(), options.states.end(), "J") != options.states.end()) {

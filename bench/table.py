@@ -6,15 +6,16 @@
 For each state and operation, one row per system with its median seconds and GB/s, its ratio to
 the fastest peer (the systems a user would otherwise pick: torch::save/load, torch.save/load,
 safetensors, dcp, dcp-async, accelerate) and to the machine's limit measured in the same run
-(O_DIRECT write + fsync for saves, plain read() into new memory for loads). Lines of other
-shapes (the J section) are skipped.
+(O_DIRECT write + fsync for saves, read() into new memory for loads, pread() into existing
+memory for loads into a model). Lines of other shapes (the J section) are skipped.
 """
 
 import json
 import sys
 
-PEERS = {"torch::save", "torch::load", "torch.save", "safetensors", "dcp", "dcp-async", "accelerate"}
-LIMIT = {"save": "o_direct", "load": "read"}
+PEERS = {"torch::save", "torch::load", "torch.save", "safetensors", "dcp", "dcp-async",
+         "accelerate"}
+LIMIT = {"save": "o_direct", "load": "read", "load_into": "pread"}
 OPS = ["save", "load", "load_into"]
 
 
@@ -46,9 +47,8 @@ def main(argv):
                 continue
             peers = [r["seconds"] for r in here if r["system"] in PEERS]
             fastest = min(peers) if peers else None
-            # A load's limit is the save-free read of the same bytes; load_into compares with it too.
-            limit_rows = [r for r in rows if r["state"] == state
-                          and r["system"] == LIMIT["save" if op == "save" else "load"]]
+            limit_rows = [r for r in rows if r["state"] == state and r["op"] == op
+                          and r["system"] == LIMIT[op]]
             limit = limit_rows[0]["seconds"] if limit_rows else None
             for r in sorted(here, key=lambda r: r["seconds"]):
                 s = r["seconds"]
