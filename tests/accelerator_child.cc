@@ -2,6 +2,7 @@
 // exists, and kills itself with SIGKILL at the point KILL names. SAVER says who saves:
 //   accelerator     save_state() and load_state() with automatic naming and total_limit 3
 //   async           as accelerator, with save_state_async() (and wait_for_checkpoint() at the end)
+//   manager-async   as manager, with save_async() (and wait_for_checkpoint() at the end)
 //   manager         a CheckpointManager over PROJECT/checkpoints of the same components,
 //                   keeping the last 2 and the best by loss, and try_latest() + restore()
 // KILL is one of:
@@ -54,7 +55,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string project = argv[1], log = argv[2], kill = argv[3], saver = argv[4];
-  const bool manager = saver == "manager", async = saver == "async";
+  const bool manager_async = saver == "manager-async";
+  const bool manager = saver == "manager" || manager_async, async = saver == "async";
   long kill_step = -1, kill_after_save = -1, kill_save = -1, kill_op = -1, kill_nth_op = -1;
   std::sscanf(kill.c_str(), "op:%ld", &kill_nth_op);
   std::sscanf(kill.c_str(), "step:%ld", &kill_step);
@@ -94,7 +96,11 @@ int main(int argc, char** argv) {
       tp::testing::append_line(log, "resumed " + *latest);
     }
     job.save = [&](std::int64_t step, float loss) {
-      checkpoints.save(state, step, {{"loss", loss}});
+      if (manager_async) {
+        checkpoints.save_async(state, step, {{"loss", loss}});
+      } else {
+        checkpoints.save(state, step, {{"loss", loss}});
+      }
     };
   } else if (async) {
     job.save = [&](std::int64_t, float) { job.acc.save_state_async(); };
@@ -118,6 +124,7 @@ int main(int argc, char** argv) {
         if (saves == kill_after_save) ::raise(SIGKILL);
       });
   job.acc.wait_for_checkpoint();
+  checkpoints.wait_for_checkpoint();
   tp::testing::append_line(log, "final " + tp::checksum_hex(digest(job.final_state())));
   return 0;
 }

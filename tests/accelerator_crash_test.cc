@@ -75,7 +75,8 @@ namespace {
 // by loss; try_latest() and restore() on start), killed at points including inside the save
 // and inside its retention: it resumes bit-identically, and the directory never holds a
 // corrupt checkpoint or more than the policy allows (last 2, best 1, the one resumed from).
-TEST(CheckpointManagerCrash, KilledInsideSavesAndRetentionResumesBitIdentically) {
+// `saver`: "manager" or "manager-async"; `plans`: the kill plans.
+void kill_manager_runs(const std::string& saver, const std::vector<std::string>& plans) {
   testing::TempDir dir;
   ASSERT_EQ(run_child(dir / "reference", dir / "reference.log", "none", "manager"), 0);
   testing::ChildLog reference = testing::read_child_log(dir / "reference.log");
@@ -84,18 +85,11 @@ TEST(CheckpointManagerCrash, KilledInsideSavesAndRetentionResumesBitIdentically)
   ASSERT_EQ(run_child(dir / "acc", dir / "acc.log", "none"), 0);
   EXPECT_EQ(testing::read_child_log(dir / "acc.log").last("final"), reference.last("final"));
 
-  // A save here is 82 file-system calls with nothing to delete (the second) and 135 with
-  // retention deleting (the fifth): listing and deleting are its last ~50.
-  const std::vector<std::string> plans = {
-      "step:7",        "step:14",       "after_save:3",  "save:1:op:2",
-      "save:2:op:30",  "save:3:op:60",  "save:3:op:78",  "save:4:op:81",
-      "save:5:op:100", "save:5:op:125", "save:6:op:134",
-  };
   for (const std::string& plan : plans) {
     SCOPED_TRACE("kill plan " + plan);
     std::string project = dir / ("m-" + std::to_string(&plan - plans.data()));
     std::string log = project + ".log";
-    int killed = run_child(project, log, plan, "manager");
+    int killed = run_child(project, log, plan, saver);
     ASSERT_TRUE(WIFSIGNALED(killed) && WTERMSIG(killed) == SIGKILL) << "status " << killed;
     CheckpointListing after_kill = CheckpointManager(project + "/checkpoints").list();
     std::size_t valid = 0;
@@ -105,7 +99,7 @@ TEST(CheckpointManagerCrash, KilledInsideSavesAndRetentionResumesBitIdentically)
     }
     EXPECT_LE(valid, 4u) << "last 2, the best, and one committed before its retention ran";
 
-    ASSERT_EQ(run_child(project, log, "none", "manager"), 0) << "the rerun must finish";
+    ASSERT_EQ(run_child(project, log, "none", saver), 0) << "the rerun must finish";
     testing::ChildLog got = testing::read_child_log(log);
     EXPECT_LT(got.steps.size(), 39u + 39u) << "a resume must not start over";
     for (const auto& [step, bits] : got.steps) {
@@ -127,6 +121,21 @@ TEST(CheckpointManagerCrash, KilledInsideSavesAndRetentionResumesBitIdentically)
     ASSERT_FALSE(end.entries.empty());
     EXPECT_EQ(end.entries.back().step, 35) << "the last save (step 35) is the newest";
   }
+}
+
+TEST(CheckpointManagerCrash, KilledInsideSavesAndRetentionResumesBitIdentically) {
+  // A save here is 82 file-system calls with nothing to delete (the second) and 135 with
+  // retention deleting (the fifth): listing and deleting are its last ~50.
+  kill_manager_runs("manager", {"step:7", "step:14", "after_save:3", "save:1:op:2", "save:2:op:30",
+                                "save:3:op:60", "save:3:op:78", "save:4:op:81", "save:5:op:100",
+                                "save:5:op:125", "save:6:op:134"});
+}
+
+// save_async(): killed before the N-th of the run's 794 file-system calls, which the background
+// writer and its retention make while the loop trains on.
+TEST(CheckpointManagerCrash, AsyncSavesKilledInTheBackgroundResumeBitIdentically) {
+  kill_manager_runs("manager-async", {"op:4", "op:60", "op:150", "op:240", "op:330", "op:420",
+                                      "op:510", "op:600", "op:690", "op:780"});
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "testing/fault_env.h"
 #include "testing/test_util.h"
 #include "torchpoint/module_state.h"
 #include "torchpoint/optimizer_state.h"
@@ -232,6 +233,36 @@ TEST(CheckpointManager, RestoreByNumberAndTheCheckpointResumedFromIsKept) {
       << "the newest and the one this run resumed from";
   CheckpointManager next_run(ckpts, options);
   EXPECT_EQ(next_run.apply_retention(), std::vector<std::string>{ckpts + "/checkpoint_3"});
+}
+
+// save_async(): the checkpoint holds the state of the call while training goes on; retention
+// runs after the background commit; an error reaches the next save, which does not start.
+TEST(CheckpointManager, SaveAsyncWritesTheStateOfTheCallAndReportsErrors) {
+  TempDir dir;
+  testing::FaultEnv env;
+  const std::string ckpts = dir / "checkpoints";
+  CheckpointManager manager(
+      ckpts, CheckpointManagerOptions().retention(RetentionPolicy().keep_last(2)), &env);
+  Job job(1), copy(2);
+  for (int i = 1; i <= 4; ++i) {
+    job.train(3);
+    copy.state.restore(job.state.state_dict());  // what the checkpoint must hold
+    SaveHandle h = manager.save_async(job.state, 3 * i);
+    job.train(2);  // while it is written
+    h.wait();
+  }
+  EXPECT_EQ(names(manager.list()), (std::vector<std::string>{"checkpoint_2", "checkpoint_3"}));
+  Job restored(9);
+  EXPECT_EQ(manager.restore(restored.state).step, 12);
+  EXPECT_TRUE(testing::bitwise_equal(restored.model->weight, copy.model->weight));
+  EXPECT_FALSE(testing::bitwise_equal(restored.model->weight, job.model->weight));
+
+  env.fail_nth({testing::Op::Rename}, 1, EIO);
+  manager.save_async(job.state, 15);
+  expect_error([&] { manager.save_async(job.state, 16); }, ErrorCode::IOError, {"checkpoint_4"});
+  manager.wait_for_checkpoint();  // received already: quiet
+  EXPECT_EQ(names(manager.list()), (std::vector<std::string>{"checkpoint_2", "checkpoint_3"}));
+  EXPECT_EQ(manager.save(job.state, 17), ckpts + "/checkpoint_4");
 }
 
 }  // namespace

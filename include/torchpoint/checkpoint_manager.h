@@ -7,10 +7,12 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "torchpoint/async_save.h"
 #include "torchpoint/env.h"
 #include "torchpoint/error.h"
 #include "torchpoint/retention.h"
@@ -118,6 +120,9 @@ class CheckpointManager {
   explicit CheckpointManager(std::string dir,
                              CheckpointManagerOptions options = CheckpointManagerOptions(),
                              Env* env = nullptr);
+  ~CheckpointManager();
+  CheckpointManager(const CheckpointManager&) = delete;
+  CheckpointManager& operator=(const CheckpointManager&) = delete;
 
   const std::string& dir() const { return dir_; }
 
@@ -141,6 +146,17 @@ class CheckpointManager {
   std::string save(const StatefulSet& state, std::int64_t step,
                    const std::map<std::string, double>& metrics = {},
                    std::optional<std::int64_t> epoch = std::nullopt);
+  // save() without stopping training (see AsyncCheckpointer): returns once the state is copied;
+  // the checkpoint is written, committed and retention applied on a background thread. The
+  // next save, restore() and apply_retention() wait for it first; its error is thrown once, by
+  // the handle's wait(), the next save or wait_for_checkpoint(). list() and latest() see only
+  // committed checkpoints, so not this one until it commits.
+  SaveHandle save_async(const StatefulSet& state, std::int64_t step,
+                        const std::map<std::string, double>& metrics = {},
+                        std::optional<std::int64_t> epoch = std::nullopt);
+  // Blocks until an asynchronous save in flight has committed; throws its error unless it was
+  // already received. The destructor waits too, and never throws.
+  void wait_for_checkpoint();
 
   struct Restored {
     std::string path;
@@ -163,10 +179,17 @@ class CheckpointManager {
   std::string name_for(std::uint64_t n, std::int64_t step,
                        const std::map<std::string, double>& metrics,
                        std::optional<std::int64_t> epoch) const;
+  std::string save_with(const StatefulSet& state, std::int64_t step,
+                        const std::map<std::string, double>& metrics,
+                        std::optional<std::int64_t> epoch, SaveHandle* handle);
+  std::vector<std::string> retain();  // apply_retention() without waiting
   std::string dir_;
   CheckpointManagerOptions options_;
   Env* env_;
   std::string restored_from_;  // entry name of the checkpoint restore() loaded
+  // Made at the first save_async(); destroyed first, so that its background save never
+  // outlives the members it uses.
+  std::unique_ptr<AsyncCheckpointer> async_;
 };
 
 }  // namespace torchpoint

@@ -218,6 +218,31 @@ std::string CheckpointManager::latest() const {
 std::string CheckpointManager::save(const StatefulSet& state, std::int64_t step,
                                     const std::map<std::string, double>& metrics,
                                     std::optional<std::int64_t> epoch) {
+  wait_for_checkpoint();
+  return save_with(state, step, metrics, epoch, nullptr);
+}
+
+SaveHandle CheckpointManager::save_async(const StatefulSet& state, std::int64_t step,
+                                         const std::map<std::string, double>& metrics,
+                                         std::optional<std::int64_t> epoch) {
+  if (!async_) async_ = std::make_unique<AsyncCheckpointer>(*env_);
+  // First the previous save: its error, if nobody took it, and its checkpoint, which the next
+  // number must count.
+  async_->wait();
+  SaveHandle handle;
+  save_with(state, step, metrics, epoch, &handle);
+  return handle;
+}
+
+void CheckpointManager::wait_for_checkpoint() {
+  if (async_) async_->wait();
+}
+
+CheckpointManager::~CheckpointManager() = default;
+
+std::string CheckpointManager::save_with(const StatefulSet& state, std::int64_t step,
+                                         const std::map<std::string, double>& metrics,
+                                         std::optional<std::int64_t> epoch, SaveHandle* handle) {
   detail::ensure_directory(*env_, dir_);
   const std::uint64_t number = detail::next_checkpoint_number(dir_, *env_);
   const std::string path = join_path(dir_, name_for(number, step, metrics, epoch));
@@ -236,13 +261,19 @@ std::string CheckpointManager::save(const StatefulSet& state, std::int64_t step,
   }
   info.metadata = {{"metrics", recorded}};
   if (epoch) info.metadata["epoch"] = *epoch;
+  if (handle != nullptr) {
+    // Retention runs on the background thread, after the commit.
+    *handle = async_->save_directory(path, components, info, {}, [this] { retain(); });
+    return path;
+  }
   save_directory(path, components, info, *env_);
-  apply_retention();
+  retain();
   return path;
 }
 
 CheckpointManager::Restored CheckpointManager::restore(StatefulSet& state,
                                                        const std::string& path) {
+  wait_for_checkpoint();
   Restored out;
   out.path = path.empty() ? latest() : path;
   DirectoryCheckpoint checkpoint = load_directory(out.path, *env_);
@@ -271,6 +302,11 @@ CheckpointManager::Restored CheckpointManager::restore(StatefulSet& state, std::
 }
 
 std::vector<std::string> CheckpointManager::apply_retention() {
+  wait_for_checkpoint();
+  return retain();
+}
+
+std::vector<std::string> CheckpointManager::retain() {
   const RetentionPolicy& policy = options_.retention();
   if (!policy.has_rule()) return {};  // nothing to decide: skip the listing
   // Not verified: reading every checkpoint at each save would cost more than the save. A
