@@ -30,6 +30,7 @@
 #include <thread>
 #include <vector>
 
+#include "io/huge_pages.h"
 #include "torchpoint/async_save.h"
 #include "torchpoint/checkpoint_dir.h"
 #include "torchpoint/optimizer_state.h"
@@ -522,6 +523,13 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
+// One --json object, with the field names of bench/peers.py: a median of `seconds`.
+nlohmann::ordered_json record(const std::string& state, const char* op, const char* system,
+                              const std::vector<double>& seconds, std::uint64_t bytes, int reps) {
+  return {{"state", state}, {"op", op},    {"system", system}, {"seconds", median(seconds)},
+          {"bytes", bytes}, {"reps", reps}};
+}
+
 std::string gbps(std::uint64_t bytes, double seconds) {
   return seconds > 0 ? fmt::format("{:.2f}", static_cast<double>(bytes) / seconds / 1e9) : "-";
 }
@@ -734,14 +742,8 @@ void Bench::print_json(std::FILE* out) const {
     const Results& r = results_[i];
     for (int op : {kSave, kLoad}) {
       for (int impl = 0; impl < 3; ++impl) {
-        nlohmann::ordered_json line = {
-            {"state", s.name},
-            {"op", kOpNames[op]},
-            {"system", kSystems[op][impl]},
-            {"seconds", median(r.seconds[op][impl])},
-            {"bytes", s.bytes},
-            {"reps", options_.reps},
-        };
+        nlohmann::ordered_json line = record(s.name, kOpNames[op], kSystems[op][impl],
+                                             r.seconds[op][impl], s.bytes, options_.reps);
         // Memory is sampled for torchpoint only.
         if (impl == kTorchpoint) line["peak_extra_mib"] = r.peak_extra[op] / kMiB;
         fmt::print(out, "{}\n", line.dump());
@@ -778,28 +780,19 @@ void write_o_direct(const std::string& path, const std::uint8_t* data, std::size
   close_or_throw(fd, path);
 }
 
-// MADV_HUGEPAGE over the whole 2 MiB pages of a buffer not yet touched.
-void madvise_huge(void* data, std::size_t size) {
-  constexpr std::uintptr_t kHuge = 2u << 20;
-  const auto begin = reinterpret_cast<std::uintptr_t>(data);
-  const std::uintptr_t first = (begin + kHuge - 1) / kHuge * kHuge;
-  const std::uintptr_t last = (begin + size) / kHuge * kHuge;
-  if (last > first) ::madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
-}
-
 AsyncCase run_async_case(const State& s, const Options& options, const std::string& dir) {
   AsyncCase c;
   c.state = s.name;
   c.bytes = s.bytes;
   const std::size_t padded = (s.bytes + 4095) / 4096 * 4096;
   void* raw = nullptr;
-  if (::posix_memalign(&raw, 2u << 20, std::max<std::size_t>(padded, 4096)) != 0) {
+  if (::posix_memalign(&raw, torchpoint::kHugePageSize, std::max<std::size_t>(padded, 4096)) != 0) {
     throw std::runtime_error("A: posix_memalign failed");
   }
   std::unique_ptr<void, decltype(&std::free)> buffer(raw, &std::free);
   auto* bytes = static_cast<std::uint8_t*>(raw);
   // Huge pages, as torchpoint's own write buffers have: the disk's limit, not the page pinning's.
-  madvise_huge(bytes, padded);
+  torchpoint::advise_huge_pages(bytes, padded);
   std::memset(bytes, 0, padded);  // faulted in, untimed
   const std::string file = dir + "/" + s.name + ".async.safetensors";
   const std::string direct = dir + "/" + s.name + ".o_direct.bin";
@@ -892,9 +885,7 @@ void run_async_bench(const Options& options, const std::vector<State>& states,
   if (json == nullptr) return;
   for (const AsyncCase& c : cases) {
     auto line = [&](const char* system, const std::vector<double>& v) {
-      return nlohmann::ordered_json{{"state", c.state}, {"op", "save"},
-                                    {"system", system}, {"seconds", median(v)},
-                                    {"bytes", c.bytes}, {"reps", options.reps}};
+      return record(c.state, "save", system, v, c.bytes, options.reps);
     };
     fmt::print(json, "{}\n", line("memcpy", c.memcpy_s).dump());
     fmt::print(json, "{}\n", line("o_direct", c.o_direct_s).dump());
@@ -985,10 +976,8 @@ void run_into_bench(const Options& options, const std::vector<State>& states,
     for (const auto& [system, v] :
          {std::pair<const char*, const std::vector<double>*>{"pread", &c.pread_s},
           {"torchpoint", &c.torchpoint_s}}) {
-      nlohmann::ordered_json line = {{"state", c.state}, {"op", "load_into"},
-                                     {"system", system}, {"seconds", median(*v)},
-                                     {"bytes", c.bytes}, {"reps", options.reps}};
-      fmt::print(json, "{}\n", line.dump());
+      fmt::print(json, "{}\n",
+                 record(c.state, "load_into", system, *v, c.bytes, options.reps).dump());
     }
   }
 }

@@ -23,6 +23,28 @@ int run_child(const std::string& project, const std::string& log, const std::str
   return testing::run_child(ACCELERATOR_CHILD, {project, log, kill, saver});
 }
 
+// Every step the rerun logged has the uninterrupted run's loss bits, none of the 39 is missing,
+// and the final state is the same.
+void expect_same_run(const testing::ChildLog& got, const testing::ChildLog& reference) {
+  for (const auto& [step, bits] : got.steps) {
+    auto ref = reference.steps.find(step);
+    ASSERT_NE(ref, reference.steps.end()) << "unexpected step " << step;
+    EXPECT_EQ(bits, ref->second) << "loss of step " << step << " differs";
+  }
+  for (long s = 1; s <= 39; ++s) EXPECT_TRUE(got.steps.count(s)) << "step " << s << " never ran";
+  EXPECT_EQ(got.last("final"), reference.last("final")) << "final state differs";
+}
+
+// The valid checkpoints under `dir`; none may be corrupt.
+std::size_t count_valid_expecting_none_corrupt(const std::string& dir) {
+  std::size_t valid = 0;
+  for (const ListedCheckpoint& e : CheckpointManager(dir).list().entries) {
+    EXPECT_NE(e.status, CheckpointStatus::Corrupt) << e.name;
+    if (e.status == CheckpointStatus::Valid) ++valid;
+  }
+  return valid;
+}
+
 TEST(AcceleratorCrash, KilledAtTenPointsResumesBitIdentically) {
   testing::TempDir dir;
   ASSERT_EQ(run_child(dir / "reference", dir / "reference.log", "none"), 0);
@@ -55,21 +77,9 @@ TEST(AcceleratorCrash, KilledAtTenPointsResumesBitIdentically) {
     // Every plan but the first kills after a checkpoint exists, so the rerun must resume.
     EXPECT_EQ(got.count("resumed"), plan == "step:1" ? 0u : 1u);
     EXPECT_LT(got.steps.size(), 39u + 39u) << "a resume must not start over";
-    for (const auto& [step, bits] : got.steps) {
-      auto ref = reference.steps.find(step);
-      ASSERT_NE(ref, reference.steps.end()) << "unexpected step " << step;
-      EXPECT_EQ(bits, ref->second) << "loss of step " << step << " differs";
-    }
-    for (long s = 1; s <= 39; ++s) EXPECT_TRUE(got.steps.count(s)) << "step " << s << " never ran";
-    EXPECT_EQ(got.last("final"), reference.last("final")) << "final state differs";
+    ASSERT_NO_FATAL_FAILURE(expect_same_run(got, reference));
   }
 }
-
-}  // namespace
-}  // namespace torchpoint
-
-namespace torchpoint {
-namespace {
 
 // The same job saved by a CheckpointManager of the user's own loop (keep the last 2 and the best
 // by loss; try_latest() and restore() on start), killed at points including inside the save
@@ -91,33 +101,18 @@ void kill_manager_runs(const std::string& saver, const std::vector<std::string>&
     std::string log = project + ".log";
     int killed = run_child(project, log, plan, saver);
     ASSERT_TRUE(WIFSIGNALED(killed) && WTERMSIG(killed) == SIGKILL) << "status " << killed;
-    CheckpointListing after_kill = CheckpointManager(project + "/checkpoints").list();
-    std::size_t valid = 0;
-    for (const ListedCheckpoint& e : after_kill.entries) {
-      EXPECT_NE(e.status, CheckpointStatus::Corrupt) << e.name;
-      if (e.status == CheckpointStatus::Valid) ++valid;
-    }
-    EXPECT_LE(valid, 4u) << "last 2, the best, and one committed before its retention ran";
+    EXPECT_LE(count_valid_expecting_none_corrupt(project + "/checkpoints"), 4u)
+        << "last 2, the best, and one committed before its retention ran";
 
     ASSERT_EQ(run_child(project, log, "none", saver), 0) << "the rerun must finish";
     testing::ChildLog got = testing::read_child_log(log);
     EXPECT_LT(got.steps.size(), 39u + 39u) << "a resume must not start over";
-    for (const auto& [step, bits] : got.steps) {
-      auto ref = reference.steps.find(step);
-      ASSERT_NE(ref, reference.steps.end()) << "unexpected step " << step;
-      EXPECT_EQ(bits, ref->second) << "loss of step " << step << " differs";
-    }
-    for (long s = 1; s <= 39; ++s) EXPECT_TRUE(got.steps.count(s)) << "step " << s << " never ran";
-    EXPECT_EQ(got.last("final"), reference.last("final")) << "final state differs";
+    ASSERT_NO_FATAL_FAILURE(expect_same_run(got, reference));
 
-    CheckpointListing end = CheckpointManager(project + "/checkpoints").list();
-    valid = 0;
-    for (const ListedCheckpoint& e : end.entries) {
-      EXPECT_NE(e.status, CheckpointStatus::Corrupt) << e.name;
-      if (e.status == CheckpointStatus::Valid) ++valid;
-    }
+    const std::size_t valid = count_valid_expecting_none_corrupt(project + "/checkpoints");
     EXPECT_GE(valid, 2u);
     EXPECT_LE(valid, 4u) << "last 2, the best, the one resumed from";
+    CheckpointListing end = CheckpointManager(project + "/checkpoints").list();
     ASSERT_FALSE(end.entries.empty());
     EXPECT_EQ(end.entries.back().step, 35) << "the last save (step 35) is the newest";
   }
@@ -137,12 +132,6 @@ TEST(CheckpointManagerCrash, AsyncSavesKilledInTheBackgroundResumeBitIdentically
   kill_manager_runs("manager-async", {"op:4", "op:60", "op:150", "op:240", "op:330", "op:420",
                                       "op:510", "op:600", "op:690", "op:780"});
 }
-
-}  // namespace
-}  // namespace torchpoint
-
-namespace torchpoint {
-namespace {
 
 // The Accelerator job with save_state_async(), SIGKILLed before the N-th file-system call of
 // the process, which the background writer makes while the loop trains on: every rerun ends
@@ -168,20 +157,12 @@ TEST(AcceleratorCrash, AsyncSavesKilledInTheBackgroundWriteResumeBitIdentically)
     int killed = run_child(project, log, plan, "async");
     ASSERT_TRUE(WIFSIGNALED(killed) && WTERMSIG(killed) == SIGKILL) << "status " << killed;
     if (std::filesystem::exists(project + "/checkpoints")) {
-      for (const ListedCheckpoint& e : CheckpointManager(project + "/checkpoints").list().entries) {
-        EXPECT_NE(e.status, CheckpointStatus::Corrupt) << e.name;
-      }
+      count_valid_expecting_none_corrupt(project + "/checkpoints");
     }
     ASSERT_EQ(run_child(project, log, "none", "async"), 0) << "the rerun must finish";
     testing::ChildLog got = testing::read_child_log(log);
     EXPECT_LT(got.steps.size(), 39u + 39u) << "a resume must not start over";
-    for (const auto& [step, bits] : got.steps) {
-      auto ref = reference.steps.find(step);
-      ASSERT_NE(ref, reference.steps.end()) << "unexpected step " << step;
-      EXPECT_EQ(bits, ref->second) << "loss of step " << step << " differs";
-    }
-    for (long s = 1; s <= 39; ++s) EXPECT_TRUE(got.steps.count(s)) << "step " << s << " never ran";
-    EXPECT_EQ(got.last("final"), reference.last("final")) << "final state differs";
+    ASSERT_NO_FATAL_FAILURE(expect_same_run(got, reference));
   }
 }
 

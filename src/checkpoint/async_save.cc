@@ -220,8 +220,7 @@ AsyncCheckpointer::~AsyncCheckpointer() {
 
 void AsyncCheckpointer::wait() {
   if (!job_) return;
-  std::shared_ptr<detail::AsyncJob> job = std::move(job_);
-  job_.reset();
+  std::shared_ptr<detail::AsyncJob> job = std::move(job_);  // leaves job_ empty
   if (job->thread.joinable()) job->thread.join();
   job->rethrow_once();
 }
@@ -272,8 +271,7 @@ SaveHandle AsyncCheckpointer::snapshot_and_start(const std::string& path,
     // The writer stops at the first tensor not copied and removes what it wrote; its error is
     // a consequence of this one, which is the one the caller gets.
     gate->abandon();
-    std::shared_ptr<detail::AsyncJob> job = std::move(job_);
-    job_.reset();
+    std::shared_ptr<detail::AsyncJob> job = std::move(job_);  // leaves job_ empty
     job->thread.join();
     throw;
   }
