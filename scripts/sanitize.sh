@@ -16,6 +16,7 @@ fuzz_seconds=${FUZZ_SECONDS:-60}
 packages=(
   clang libclang-rt-14-dev llvm-14 cmake ninja-build python3 python3-venv
   libtorch-dev nlohmann-json3-dev libxxhash-dev libfmt-dev libcli11-dev libcairo2-dev pkgconf libboost-dev
+  libgloo-dev
   googletest libgtest-dev
 )
 scripts/ensure_packages.sh sanitize --no-install-recommends "${packages[@]}"

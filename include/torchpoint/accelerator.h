@@ -13,6 +13,7 @@
 #include <torch/optim/schedulers/step_lr.h>
 
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <initializer_list>
 #include <map>
@@ -28,6 +29,7 @@
 #include "torchpoint/error.h"
 #include "torchpoint/grad_scaler.h"
 #include "torchpoint/lr_scheduler.h"
+#include "torchpoint/process_group.h"
 #include "torchpoint/rng_state.h"
 #include "torchpoint/state_dict.h"
 
@@ -80,8 +82,20 @@ struct LoadStateReport {
   // was written by another LibTorch version (every tensor is restored bit for bit, but that
   // version's kernels may compute the next steps differently).
   std::vector<std::string> notes;
+  // The number of processes that wrote the checkpoint (1 for one written by one process).
+  int saved_world_size = 1;
 };
 
+// Several processes (torchrun): the same program runs as every process, each with its own
+// Accelerator over the same project directory, on a file system every process sees (as
+// Accelerate requires). prepare(model) gives every process rank 0's parameters; backward()
+// averages the gradients over the processes, so every process steps identically; prepare(loader)
+// gives each process its part of every global batch. save_state() is called by every process:
+// the main process writes the model, optimizer, scheduler, scaler, data position and registered
+// objects once, every process writes its own random_states_<rank>, and the checkpoint is
+// committed by the main process only after every process has fsynced its files: any process's
+// failure makes save_state() throw on every process with nothing committed. load_state() on any
+// number of processes: see load_state().
 class Accelerator {
  public:
   // Example:
@@ -89,7 +103,11 @@ class Accelerator {
   //                                   .project_dir("runs/exp1")
   //                                   .automatic_checkpoint_naming(true)
   //                                   .total_limit(3));
-  explicit Accelerator(ProjectConfiguration config = {}, Env& env = Env::posix());
+  //
+  // `group`: the processes of the run; by default torchrun's (ProcessGroup::from_environment(),
+  // null when the program runs as one process).
+  explicit Accelerator(ProjectConfiguration config = {}, Env& env = Env::posix(),
+                       std::shared_ptr<ProcessGroup> group = ProcessGroup::from_environment());
   // Accelerator(project_dir="...") as in Accelerate.
   explicit Accelerator(const std::string& project_dir)
       : Accelerator(ProjectConfiguration().project_dir(project_dir)) {}
@@ -98,6 +116,60 @@ class Accelerator {
   torch::Device device() const;
   const ProjectConfiguration& project_configuration() const { return config_; }
   const std::string& project_dir() const { return config_.project_dir(); }
+  // The processes of the run, with Accelerate's names. One process: 1, 0, 0, true, true.
+  int num_processes() const { return group_ ? group_->size() : 1; }
+  int process_index() const { return group_ ? group_->rank() : 0; }
+  int local_process_index() const { return group_ ? group_->local_rank() : 0; }
+  bool is_main_process() const { return process_index() == 0; }
+  bool is_local_main_process() const { return local_process_index() == 0; }
+  // The group, or null for one process.
+  const std::shared_ptr<ProcessGroup>& process_group() const { return group_; }
+  // Returns when every process has called it (at most the group's timeout, then Error naming
+  // the processes that did not come).
+  void wait_for_everyone();
+  // Every process's `tensor` concatenated along the first dimension, in rank order (a
+  // 0-dimensional tensor counts as one element); the same shape on every process. One process:
+  // the tensor itself.
+  at::Tensor gather(const at::Tensor& tensor);
+  // The sum ("sum") or mean ("mean") of `tensor` over the processes, as a new tensor.
+  at::Tensor reduce(const at::Tensor& tensor, const std::string& op = "sum");
+  // Prints `text` and a newline on stdout from the main process only.
+  void print(const std::string& text) const;
+  // Runs `fn` on the main process first, then on the others (downloading or preprocessing
+  // something once, which the others then read).
+  template <typename F>
+  void main_process_first(F&& fn) {
+    if (!is_main_process()) wait_for_everyone();
+    fn();
+    if (is_main_process()) wait_for_everyone();
+  }
+  // While the returned guard lives, backward() does not average gradients over the processes
+  // (gradient accumulation: backward() several times under no_sync(), then once without it,
+  // which averages the accumulated gradients, then optimizer_step()). One process: no effect.
+  //
+  // Example:
+  //   { auto guard = acc.no_sync(); acc.backward(loss1); }
+  //   acc.backward(loss2);  // averages loss1's and loss2's accumulated gradients
+  //   acc.optimizer_step(opt);
+  class NoSync {
+   public:
+    explicit NoSync(Accelerator& acc) : acc_(&acc), previous_(acc.no_sync_) { acc.no_sync_ = true; }
+    ~NoSync() {
+      if (acc_) acc_->no_sync_ = previous_;
+    }
+    NoSync(NoSync&& other) noexcept : acc_(other.acc_), previous_(other.previous_) {
+      other.acc_ = nullptr;
+    }
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+    NoSync& operator=(NoSync&&) = delete;
+
+   private:
+    Accelerator* acc_;
+    bool previous_;
+  };
+  [[nodiscard]] NoSync no_sync() { return NoSync(*this); }
+
   // Backward passes run through backward() since the start of the run (restored by load_state).
   // Only acc.backward(loss) counts: a plain loss.backward() does not (a one-time warning on
   // stderr says so when save_state() or backward() sees one).
@@ -120,7 +192,10 @@ class Accelerator {
     }
   }
 
-  // loss.backward(), through the GradScaler's scale when one is prepared; counts a step.
+  // loss.backward(), through the GradScaler's scale when one is prepared; counts a step. With
+  // several processes (outside no_sync()), then averages the gradients of every prepared model's
+  // parameters over the processes: buckets of up to 25 MiB of one dtype, each flattened and
+  // allreduced at once. Every process must produce gradients for the same parameters.
   void backward(const at::Tensor& loss);
   // optimizer.step(), through the GradScaler (unscale, skip on inf/NaN, update) when one is
   // prepared. Returns whether the optimizer stepped. With a GradScaler prepared, the gradients
@@ -162,6 +237,8 @@ class Accelerator {
   // `overwrite`, atomically (the old one stays whole until the new one is committed).
   // Waits for an asynchronous save in flight first (and throws its error if nothing received
   // it yet).
+  // Several processes: every process calls it with the same arguments (see the class comment);
+  // a process that stops answering makes the others throw within the group's timeout, naming it.
   std::string save_state(const std::string& output_dir = "", bool overwrite = false);
   // save_state() without stopping training: returns once every tensor of the state has been
   // copied into staging memory (reused from one save to the next), and writes, commits and
@@ -171,7 +248,8 @@ class Accelerator {
   // next save_state(), load_state() or wait_for_checkpoint(). Save hooks run on the background
   // thread. A kill while the background write runs leaves every earlier checkpoint intact and
   // this one absent. With automatic naming the iteration advances at once, so a failed
-  // asynchronous save leaves its number unused.
+  // asynchronous save leaves its number unused. One process only for now: with several it throws
+  // Unsupported (use save_state()).
   SaveHandle save_state_async(const std::string& output_dir = "", bool overwrite = false);
   // Blocks until the asynchronous save in flight (if any) has committed; throws its error unless
   // it was already received. The destructor waits too, but never throws (it prints the error).
@@ -187,6 +265,15 @@ class Accelerator {
   // state, the ones already restored are put back (a copy of the current state is held while
   // loading). RNG state goes back last. With automatic naming, the next save_state() writes
   // checkpoint_<n + 1>, or after the newest existing checkpoint when the one loaded was older.
+  //
+  // Several processes: every process calls it; the main process chooses the checkpoint (the
+  // newest valid one, with no argument), every process verifies it, and nothing changes anywhere
+  // unless every process could read it. Each process restores the model, optimizer and the rest,
+  // and its own random_states_<rank>. On the number of processes that saved it, the run continues
+  // bit for bit. On another number, the data position (global: samples consumed by all
+  // processes) continues the epoch with no sample repeated or skipped, and a note says so; the
+  // RNG files of ranks that no longer exist are named in the notes; a rank with no RNG file
+  // restores rank 0's and then seeds its CPU generator with (rank 0's seed + its rank).
   LoadStateReport load_state(const std::string& input_dir = "");
   // The one call a resumable program makes at its start: load_state() of the newest valid
   // checkpoint when the project has a committed one, and nothing (nullopt, no change) on a
@@ -249,13 +336,13 @@ class Accelerator {
   template <typename H>
   requires std::is_base_of_v<torch::nn::ModuleHolder<typename H::ContainedType>, H> H
   prepare_one(H module) {
-    add_component("model", AnyStateful::value(ModuleAdapter{module.ptr()}));
+    add_model(module.ptr());
     return module;
   }
   template <typename M>
   requires std::is_base_of_v<torch::nn::Module, M> std::shared_ptr<M> prepare_one(
       std::shared_ptr<M> module) {
-    add_component("model", AnyStateful::value(ModuleAdapter{module}));
+    add_model(module);
     return module;
   }
   template <typename O>
@@ -305,12 +392,12 @@ class Accelerator {
   template <typename Dataset>
   std::shared_ptr<ResumableDataLoader<Dataset>> prepare_one(
       std::shared_ptr<ResumableDataLoader<Dataset>> loader) {
-    add_component("sampler",
-                  AnyStateful(std::shared_ptr<ResumableSampler>(loader, &loader->sampler())));
+    add_sampler(AnyStateful(std::shared_ptr<ResumableSampler>(loader, &loader->sampler())),
+                loader->sampler());
     return loader;
   }
   ResumableSampler& prepare_one(ResumableSampler& sampler) {
-    add_component("sampler", AnyStateful::ref(sampler));
+    add_sampler(AnyStateful::ref(sampler), sampler);
     return sampler;
   }
 
@@ -350,6 +437,22 @@ class Accelerator {
   };
 
   void add_component(const std::string& kind, AnyStateful object);
+  // A prepared model: a component, the parameters whose gradients backward() averages, and (with
+  // several processes) given rank 0's parameters and buffers at once.
+  void add_model(std::shared_ptr<torch::nn::Module> module);
+  void average_gradients();
+  // The sampler of a prepared loader: sharded over the processes.
+  void add_sampler(AnyStateful sampler, ResumableSampler& shardable);
+  std::string save_state_distributed(const std::string& output_dir, bool overwrite);
+  // A key for one exchange between the processes, the same on every process.
+  std::string next_exchange(const char* what);
+  // The main process runs `fn` and every process gets its result; when `fn` throws, the main
+  // process rethrows and every other throws an Error saying so (same code).
+  std::string decided_by_main(const std::string& key, const std::function<std::string()>& fn,
+                              const std::string& what);
+  // Every process says whether its part succeeded (`failure` null); when any failed, every
+  // process throws: its own error, or one naming the processes that failed and why.
+  void agree(const std::string& key, const std::exception_ptr& failure, const std::string& what);
   // Watches the optimizer's first trainable parameter: a hook on it counts backward passes
   // that did not go through backward(), and its gradient shows when gradients were cleared.
   void watch(torch::optim::Optimizer& optimizer);
@@ -369,6 +472,10 @@ class Accelerator {
 
   ProjectConfiguration config_;
   Env& env_;
+  std::shared_ptr<ProcessGroup> group_;
+  std::vector<std::shared_ptr<torch::nn::Module>> models_;
+  bool no_sync_ = false;
+  std::uint64_t exchanges_ = 0;  // exchanges between the processes so far (the same everywhere)
   std::vector<Component> components_;
   GradScaler* scaler_ = nullptr;
   RngState rng_;

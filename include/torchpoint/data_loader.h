@@ -36,9 +36,9 @@ class ResumableDataLoader {
   ResumableSampler& sampler() { return sampler_; }
   const ResumableSampler& sampler() const { return sampler_; }
   std::size_t batch_size() const { return loader_->options().batch_size; }
-  // Batches in one whole epoch.
+  // Batches in one whole epoch (of this process, when the sampler is sharded).
   std::size_t batches_per_epoch() const {
-    std::size_t n = sampler_.size(), b = batch_size();
+    std::size_t n = sampler_.size(), b = batch_size() * sampler_.shard_count();
     return loader_->options().drop_last ? n / b : (n + b - 1) / b;
   }
   // The next iteration starts `batches` batches into the epoch it iterates (see

@@ -31,6 +31,8 @@ struct SamplerCursor {
   bool finished = false;        // the loop over `epoch` reached its end (see Tracked)
   std::int64_t order_epoch = -1;
   std::vector<std::size_t> order;
+  int shard_rank = 0;   // this process's part of each global batch (see ResumableSampler::shard)
+  int shard_count = 1;  // processes sharing the data
 };
 }  // namespace detail
 
@@ -78,7 +80,20 @@ class ResumableSampler : public torch::data::samplers::Sampler<> {
   std::int64_t next_epoch() const;
   // Sets the epoch the next begin() starts (like DistributedSampler::set_epoch).
   void set_epoch(std::int64_t epoch);
-  // The training loop received `samples` more samples (track() calls this for you).
+  // Shares the data among `count` processes, this one being `rank` (Accelerator::prepare does
+  // it). The order stays a pure function of (seed, epoch); each batch request of size b takes the
+  // next b * count samples of it (a global batch), of which process r gets samples
+  // [r * b, (r + 1) * b). The position is the number of samples of the epoch consumed by all
+  // processes together, so a run resumed on another number of processes continues the epoch
+  // with no sample repeated or skipped. An epoch's last global batch, when fewer samples are left,
+  // is split evenly: each process gets ceil(left / count) samples, the missing ones (fewer than
+  // count) taken again from the start of the epoch's order, so every process sees the same number
+  // of batches of the same size (Accelerate's even_batches); with drop_last it is dropped.
+  void shard(int rank, int count);
+  int shard_rank() const { return cursor_->shard_rank; }
+  int shard_count() const { return cursor_->shard_count; }
+  // The training loop received `samples` more samples (track() calls this for you); sharded,
+  // every process received as many, so the position moves by `samples` times shard_count().
   void consume(std::size_t samples);
   // Makes the next begin() start after the first `batches` batches of `batch_size` of the epoch
   // it would iterate (or of the next one, when that one has no batch left: with `drop_last`, a

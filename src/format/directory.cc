@@ -7,6 +7,7 @@
 
 #include "format/checksum.h"
 #include "format/container.h"
+#include "format/directory_save.h"
 #include "format/manifest.h"
 #include "io/atomic_commit.h"
 #include "io/filename.h"
@@ -122,48 +123,110 @@ std::vector<ManifestExtraFile> collect_extra_files(Env& env, const std::string& 
 
 }  // namespace
 
-void save_directory(const std::string& path, const std::vector<Component>& components,
-                    const CheckpointInfo& info, Env& env, const SaveDirectoryOptions& options) {
+Json WrittenComponent::to_json() const {
+  return {{"file", file_name},
+          {"component", component},
+          {"size", size},
+          {"header_checksum", checksum_hex(header_checksum)}};
+}
+
+WrittenComponent WrittenComponent::from_json(const Json& json, const std::string& from) {
+  try {
+    WrittenComponent w;
+    w.file_name = json.at("file").get<std::string>();
+    w.component = json.at("component").get<std::string>();
+    w.size = json.at("size").get<std::uint64_t>();
+    std::optional<std::uint64_t> sum = parse_checksum_hex(json.at("header_checksum").get<std::string>());
+    if (!sum) throw std::invalid_argument("header_checksum is not 16 hex digits");
+    w.header_checksum = *sum;
+    return w;
+  } catch (const std::exception& e) {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("the report of the files {} wrote is malformed ({}): {}", from,
+                            e.what(), json.dump()));
+  }
+}
+
+WrittenComponent write_component(Env& env, const std::string& dir, const Component& component) {
+  check_component_name(component.name);
+  std::string file_name = component_file_name(component.name);
+  WrittenFile written = write_container(env, join_path(dir, file_name), component.contents);
+  return {file_name, component.name, written.size, written.header_checksum};
+}
+
+DirectorySave::DirectorySave(Env& env, const std::string& path,
+                             const std::vector<std::string>& component_names,
+                             const SaveDirectoryOptions& options)
+    : env_(env), path_(path), component_names_(component_names) {
   std::unordered_set<std::string> names;
-  for (const Component& c : components) {
-    check_component_name(c.name);
-    if (!names.insert(c.name).second) {
+  std::vector<Component> reserved;
+  for (const std::string& name : component_names_) {
+    check_component_name(name);
+    if (!names.insert(name).second) {
       throw Error(ErrorCode::InvalidArgument,
-                  fmt::format("component '{}' appears twice in the checkpoint {}", c.name, path));
+                  fmt::format("component '{}' appears twice in the checkpoint {}", name, path));
     }
+    reserved.push_back({name, {}});
   }
   std::string parent = parent_path(path);
   make_dirs(env, parent);
-  ProjectLock lock(env, parent);
+  lock_ = std::make_unique<ProjectLock>(env, parent);
   remove_stale_temporaries(env, parent);
-
-  PendingDir pending(env, path, options.overwrite);
-  Manifest manifest;
+  pending_ = std::make_unique<PendingDir>(env, path, options.overwrite);
   if (options.before_components) {
-    options.before_components(pending.temp_path());
-    manifest.extra_files = collect_extra_files(env, pending.temp_path(), components);
-    if (!manifest.extra_files.empty()) manifest.version_minor = std::max(kFormatMinor, 1);
+    options.before_components(pending_->temp_path());
+    extra_files_ = collect_extra_files(env, pending_->temp_path(), reserved);
   }
+}
+
+DirectorySave::~DirectorySave() = default;
+
+const std::string& DirectorySave::temp_path() const { return pending_->temp_path(); }
+
+void DirectorySave::commit(const std::vector<WrittenComponent>& files, const CheckpointInfo& info) {
+  std::unordered_set<std::string> expected(component_names_.begin(), component_names_.end());
+  for (const WrittenComponent& f : files) {
+    if (expected.erase(f.component) != 1 || f.file_name != component_file_name(f.component)) {
+      throw Error(ErrorCode::InvalidArgument,
+                  fmt::format("{}: component '{}' ({}) was written but not announced, or twice",
+                              path_, f.component, f.file_name));
+    }
+  }
+  if (!expected.empty()) {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("{}: component '{}' was announced but nobody wrote it", path_,
+                            *expected.begin()));
+  }
+  Manifest manifest;
+  manifest.extra_files = extra_files_;
+  if (!manifest.extra_files.empty()) manifest.version_minor = std::max(kFormatMinor, 1);
   manifest.torchpoint_version = torchpoint_version();
   manifest.libtorch_version = libtorch_version();
   manifest.created_unix_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
                                  std::chrono::system_clock::now().time_since_epoch())
                                  .count();
   manifest.info = info;
-  for (const Component& c : components) {
-    std::string file_name = component_file_name(c.name);
-    WrittenFile written =
-        write_container(env, join_path(pending.temp_path(), file_name), c.contents);
-    manifest.files.push_back({file_name, c.name, written.size, written.header_checksum});
+  for (const WrittenComponent& f : files) {
+    manifest.files.push_back({f.file_name, f.component, f.size, f.header_checksum});
   }
   // The manifest goes last: a directory holding one lists only files already synced.
   std::string text = serialize_manifest(manifest);
   std::unique_ptr<File> file =
-      env.open(join_path(pending.temp_path(), kManifestFileName), OpenMode::CreateExclusive);
+      env_.open(join_path(pending_->temp_path(), kManifestFileName), OpenMode::CreateExclusive);
   file->write_all(text.data(), text.size(), 0);
   file->sync();
   file->close();
-  pending.commit();
+  pending_->commit();
+}
+
+void save_directory(const std::string& path, const std::vector<Component>& components,
+                    const CheckpointInfo& info, Env& env, const SaveDirectoryOptions& options) {
+  std::vector<std::string> names;
+  for (const Component& c : components) names.push_back(c.name);
+  DirectorySave save(env, path, names, options);
+  std::vector<WrittenComponent> written;
+  for (const Component& c : components) written.push_back(write_component(env, save.temp_path(), c));
+  save.commit(written, info);
 }
 
 // Opens the manifest of a directory checkpoint with a clear error when it is not one.

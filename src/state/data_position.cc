@@ -93,12 +93,30 @@ void ResumableSampler::reset(c10::optional<std::size_t> new_size) {
 c10::optional<std::vector<std::size_t>> ResumableSampler::next(std::size_t batch_size) {
   detail::SamplerCursor& c = *cursor_;
   ensure_order();
-  if (c.issued >= c.size) return c10::nullopt;
-  std::size_t end = std::min(c.size, c.issued + batch_size);
-  std::vector<std::size_t> batch(c.order.begin() + static_cast<std::ptrdiff_t>(c.issued),
-                                 c.order.begin() + static_cast<std::ptrdiff_t>(end));
-  c.issued = end;
+  if (c.issued >= c.size || batch_size == 0) return c10::nullopt;
+  const auto count = static_cast<std::size_t>(c.shard_count);
+  const auto rank = static_cast<std::size_t>(c.shard_rank);
+  // This request's global batch: the next batch_size samples of every process.
+  const std::size_t global = std::min(c.size - c.issued, batch_size * count);
+  const std::size_t mine = global == batch_size * count ? batch_size : (global + count - 1) / count;
+  std::vector<std::size_t> batch;
+  batch.reserve(mine);
+  for (std::size_t p = rank * mine; p < (rank + 1) * mine; ++p) {
+    // Past the end of a short last global batch: the epoch's first samples again.
+    batch.push_back(p < global ? c.order[c.issued + p] : c.order[(p - global) % c.size]);
+  }
+  c.issued += global;
   return batch;
+}
+
+void ResumableSampler::shard(int rank, int count) {
+  if (count < 1 || rank < 0 || rank >= count) {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("sampler shard {} of {}: the rank must be in [0, {})", rank, count,
+                            count));
+  }
+  cursor_->shard_rank = rank;
+  cursor_->shard_count = count;
 }
 
 void ResumableSampler::set_epoch(std::int64_t epoch) {
@@ -110,20 +128,23 @@ void ResumableSampler::set_epoch(std::int64_t epoch) {
 }
 
 void ResumableSampler::consume(std::size_t samples) {
-  cursor_->consumed = std::min(cursor_->size, cursor_->consumed + samples);
+  cursor_->consumed = std::min(cursor_->size,
+                               cursor_->consumed + samples * static_cast<std::size_t>(
+                                                                 cursor_->shard_count));
 }
 
 void ResumableSampler::skip_first_batches(std::size_t batches, std::size_t batch_size,
                                           bool drop_last) {
   detail::SamplerCursor& c = *cursor_;
+  const std::size_t global_batch = batch_size * static_cast<std::size_t>(c.shard_count);
   if (c.started) {
     // The epoch the next begin() iterates: the pending one while it has a batch left, else the
     // one after it.
     std::size_t left = c.size - std::min(c.size, c.consumed);
-    bool batch_left = drop_last ? left >= std::max<std::size_t>(batch_size, 1) : left > 0;
+    bool batch_left = drop_last ? left >= std::max<std::size_t>(global_batch, 1) : left > 0;
     if (!(c.resume_pending && batch_left)) ++c.epoch;
   }
-  c.consumed = std::min(c.size, batches * batch_size);
+  c.consumed = std::min(c.size, batches * global_batch);
   c.started = true;
   c.resume_pending = true;
   c.finished = false;

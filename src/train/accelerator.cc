@@ -7,11 +7,15 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <exception>
+#include <iostream>
 #include <limits>
 #include <map>
+#include <unordered_set>
 
 #include "checkpoint/committed.h"
 #include "compat/torch_compat.h"
+#include "format/directory_save.h"
 #include "io/atomic_commit.h"
 #include "io/filename.h"
 #include "torchpoint/checkpoint_dir.h"
@@ -25,8 +29,70 @@
 namespace torchpoint {
 namespace {
 
-constexpr const char* kRandomStates = "random_states_0";
+constexpr const char* kRandomStatesPrefix = "random_states_";
 constexpr const char* kCustomPrefix = "custom_checkpoint_";
+// Gradients and parameters travel between processes in flat buckets of at most this size.
+constexpr std::int64_t kBucketBytes = 25 << 20;
+
+// The RNG file of process `rank`.
+std::string random_states_name(int rank) { return fmt::format("{}{}", kRandomStatesPrefix, rank); }
+
+// Calls `fn` on flat copies of `tensors` (consecutive ones of one dtype, up to kBucketBytes at
+// a time) and copies what `fn` left in each flat tensor back into the tensors.
+void for_each_bucket(const std::vector<at::Tensor>& tensors,
+                     const std::function<void(at::Tensor&)>& fn) {
+  torch::NoGradGuard no_grad;
+  std::size_t i = 0;
+  while (i < tensors.size()) {
+    std::size_t end = i;
+    std::int64_t bytes = 0;
+    std::vector<at::Tensor> flat_parts;
+    while (end < tensors.size() && tensors[end].scalar_type() == tensors[i].scalar_type() &&
+           (end == i || bytes + tensors[end].nbytes() <= static_cast<std::size_t>(kBucketBytes))) {
+      bytes += static_cast<std::int64_t>(tensors[end].nbytes());
+      flat_parts.push_back(tensors[end].reshape({-1}));
+      ++end;
+    }
+    at::Tensor flat = at::cat(flat_parts);
+    fn(flat);
+    std::int64_t offset = 0;
+    for (std::size_t k = i; k < end; ++k) {
+      std::int64_t n = tensors[k].numel();
+      tensors[k].copy_(flat.slice(0, offset, offset + n).view(tensors[k].sizes()));
+      offset += n;
+    }
+    i = end;
+  }
+}
+
+std::string join_names(const std::vector<std::string>& names) {
+  std::string out;
+  for (const std::string& n : names) out += (out.empty() ? "" : ", ") + n;
+  return out;
+}
+
+ErrorCode error_code_named(const std::string& name) {
+  for (ErrorCode c : {ErrorCode::NotFound, ErrorCode::Corruption, ErrorCode::Incompatible,
+                      ErrorCode::IOError, ErrorCode::InvalidArgument, ErrorCode::Locked,
+                      ErrorCode::Unsupported}) {
+    if (name == error_code_name(c)) return c;
+  }
+  return ErrorCode::IOError;
+}
+
+// What one process tells the others about a step it took: {"ok": true, "value": ...} or
+// {"ok": false, "code": ..., "message": ...}.
+Json outcome_of(const std::exception_ptr& failure, Json value = nullptr) {
+  if (!failure) return {{"ok", true}, {"value", std::move(value)}};
+  try {
+    std::rethrow_exception(failure);
+  } catch (const Error& e) {
+    return {{"ok", false}, {"code", error_code_name(e.code())}, {"message", e.what()}};
+  } catch (const std::exception& e) {
+    return {{"ok", false}, {"code", error_code_name(ErrorCode::IOError)}, {"message", e.what()}};
+  }
+  return {{"ok", false}, {"code", error_code_name(ErrorCode::IOError)}, {"message", "unknown"}};
+}
 
 // Whether `param` has a gradient with a non-zero value among its first 4096 elements (a bounded
 // look, whatever the parameter's size).
@@ -82,8 +148,9 @@ void Accelerator::OptimizerAdapter::load_state_dict(const StateDict& state) {
   load_optimizer_state_dict(*optimizer, state);
 }
 
-Accelerator::Accelerator(ProjectConfiguration config, Env& env)
-    : config_(std::move(config)), env_(env) {
+Accelerator::Accelerator(ProjectConfiguration config, Env& env,
+                         std::shared_ptr<ProcessGroup> group)
+    : config_(std::move(config)), env_(env), group_(std::move(group)) {
   if (config_.total_limit() && *config_.total_limit() < 1) {
     throw Error(ErrorCode::InvalidArgument,
                 fmt::format("total_limit must be at least 1, not {}", *config_.total_limit()));
@@ -184,6 +251,71 @@ void Accelerator::add_component(const std::string& kind, AnyStateful object) {
   components_.push_back({kind, std::move(object)});
 }
 
+void Accelerator::add_model(std::shared_ptr<torch::nn::Module> module) {
+  add_component("model", AnyStateful::value(ModuleAdapter{module}));
+  models_.push_back(module);
+  if (!group_) return;
+  // Every process starts from the main process's parameters and buffers (its random
+  // initialisation, or what it loaded).
+  std::vector<at::Tensor> tensors = module->parameters();
+  for (const at::Tensor& b : module->buffers()) tensors.push_back(b);
+  for_each_bucket(tensors, [this](at::Tensor& flat) {
+    std::vector<at::Tensor> one{flat};
+    group_->broadcast(one, 0, "prepare(model): the main process's parameters");
+  });
+}
+
+void Accelerator::add_sampler(AnyStateful sampler, ResumableSampler& shardable) {
+  add_component("sampler", std::move(sampler));
+  if (group_) shardable.shard(group_->rank(), group_->size());
+}
+
+void Accelerator::average_gradients() {
+  std::vector<at::Tensor> grads;
+  std::unordered_set<const void*> seen;
+  for (const auto& model : models_) {
+    for (const at::Tensor& p : model->parameters()) {
+      if (!p.requires_grad() || !p.grad().defined() || !seen.insert(p.unsafeGetTensorImpl()).second) {
+        continue;
+      }
+      grads.push_back(p.grad());
+    }
+  }
+  const double world = group_->size();
+  for_each_bucket(grads, [this, world](at::Tensor& flat) {
+    group_->allreduce(flat, ProcessGroup::ReduceOp::Sum, "backward(): averaging the gradients");
+    flat.div_(world);
+  });
+}
+
+void Accelerator::wait_for_everyone() {
+  if (group_) group_->barrier("wait_for_everyone()");
+}
+
+at::Tensor Accelerator::gather(const at::Tensor& tensor) {
+  if (!group_) return tensor;
+  at::Tensor t = tensor.dim() == 0 ? tensor.reshape({1}) : tensor;
+  return at::cat(group_->allgather(t.contiguous(), "gather()"), 0);
+}
+
+at::Tensor Accelerator::reduce(const at::Tensor& tensor, const std::string& op) {
+  if (op != "sum" && op != "mean") {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("reduce(): unknown reduction '{}'; use \"sum\" or \"mean\"", op));
+  }
+  at::Tensor out = tensor.contiguous().clone();
+  if (group_) group_->allreduce(out, ProcessGroup::ReduceOp::Sum, "reduce()");
+  return op == "mean" ? out.div(num_processes()) : out;
+}
+
+void Accelerator::print(const std::string& text) const {
+  if (is_main_process()) std::cout << text << std::endl;
+}
+
+std::string Accelerator::next_exchange(const char* what) {
+  return fmt::format("accelerator/{}/{}", ++exchanges_, what);
+}
+
 std::vector<std::string> Accelerator::component_names() const {
   std::map<std::string, int> seen;
   std::vector<std::string> names;
@@ -212,10 +344,13 @@ void Accelerator::backward(const at::Tensor& loss) {
   } inside(backward_counts_.get());
   if (scaler_ != nullptr) {
     scaler_->scale(loss).backward();
-    scaled_pending_ = true;  // until optimizer_step() consumes these gradients
-    for (Watched& w : hooked_) w.had_gradient = has_gradient(w.param);
   } else {
     loss.backward();
+  }
+  if (group_ && !no_sync_) average_gradients();
+  if (scaler_ != nullptr) {
+    scaled_pending_ = true;  // until optimizer_step() consumes these gradients
+    for (Watched& w : hooked_) w.had_gradient = has_gradient(w.param);
   }
   ++step_;
 }
@@ -268,10 +403,16 @@ std::vector<std::pair<std::int64_t, std::string>> Accelerator::list_checkpoints(
 
 std::string Accelerator::save_state(const std::string& output_dir, bool overwrite) {
   wait_for_checkpoint();
+  if (group_) return save_state_distributed(output_dir, overwrite);
   return save_state_with(output_dir, overwrite, nullptr, nullptr);
 }
 
 SaveHandle Accelerator::save_state_async(const std::string& output_dir, bool overwrite) {
+  if (group_) {
+    throw Error(ErrorCode::Unsupported,
+                "save_state_async() runs on one process only for now: with several processes, "
+                "call save_state()");
+  }
   if (!async_) async_ = std::make_unique<AsyncCheckpointer>(env_);
   SaveHandle handle;
   save_state_with(output_dir, overwrite, async_.get(), &handle);
@@ -302,7 +443,7 @@ std::string Accelerator::save_state_with(const std::string& output_dir, bool ove
   for (std::size_t i = 0; i < components_.size(); ++i) {
     files.push_back({names[i], components_[i].object.state_dict().to_container()});
   }
-  files.push_back({kRandomStates, rng_.state_dict().to_container()});
+  files.push_back({random_states_name(0), rng_.state_dict().to_container()});
   CheckpointInfo info;
   info.step = step_;
   info.iteration = config_.iteration();
@@ -330,6 +471,159 @@ std::string Accelerator::save_state_with(const std::string& output_dir, bool ove
     apply_total_limit(path);
   }
   return path;
+}
+
+std::string Accelerator::decided_by_main(const std::string& key,
+                                         const std::function<std::string()>& fn,
+                                         const std::string& what) {
+  if (group_->rank() == 0) {
+    std::string value;
+    std::exception_ptr failure;
+    try {
+      value = fn();
+    } catch (const std::exception&) {
+      failure = std::current_exception();
+    }
+    group_->broadcast_string(key, outcome_of(failure, value).dump(), 0, what);
+    if (failure) std::rethrow_exception(failure);
+    return value;
+  }
+  Json outcome = Json::parse(group_->broadcast_string(key, "", 0, what));
+  if (!outcome.at("ok").get<bool>()) {
+    throw Error(error_code_named(outcome.at("code").get<std::string>()),
+                fmt::format("rank {}: {} failed on the main process (rank 0): {}",
+                            group_->rank(), what, outcome.at("message").get<std::string>()));
+  }
+  return outcome.at("value").get<std::string>();
+}
+
+void Accelerator::agree(const std::string& key, const std::exception_ptr& failure,
+                        const std::string& what) {
+  std::vector<std::string> outcomes = group_->allgather_strings(key, outcome_of(failure).dump(), what);
+  std::string failed;
+  ErrorCode code = ErrorCode::IOError;
+  for (std::size_t r = 0; r < outcomes.size(); ++r) {
+    Json outcome = Json::parse(outcomes[r]);
+    if (outcome.at("ok").get<bool>()) continue;
+    if (failed.empty()) code = error_code_named(outcome.at("code").get<std::string>());
+    failed += fmt::format("{}rank {}: {}", failed.empty() ? "" : "; ", r,
+                          outcome.at("message").get<std::string>());
+  }
+  if (failed.empty()) return;
+  if (failure) std::rethrow_exception(failure);
+  throw Error(code, fmt::format("rank {}: {} failed on another process ({})", group_->rank(), what,
+                                failed));
+}
+
+std::string Accelerator::save_state_distributed(const std::string& output_dir, bool overwrite) {
+  const bool automatic = output_dir.empty() && config_.automatic_checkpoint_naming();
+  if (output_dir.empty() && !automatic) {
+    throw Error(ErrorCode::InvalidArgument,
+                "save_state() needs an output directory: pass one, or use "
+                "ProjectConfiguration().project_dir(...).automatic_checkpoint_naming(true)");
+  }
+  check_no_step_on_scaled_gradients(/*saving=*/true);
+  warn_about_uncounted_backwards();
+  const std::string key = next_exchange("save_state");
+  const int rank = group_->rank(), world = group_->size();
+  const std::vector<std::string> names = component_names();
+
+  // 1. The main process opens the checkpoint: the lock, a temporary directory, the save hooks.
+  std::unique_ptr<DirectorySave> save;
+  const std::string path =
+      automatic ? join_path(checkpoints_dir(), checkpoint_name(config_.iteration())) : output_dir;
+  Json opened = Json::parse(decided_by_main(
+      key + "/open",
+      [&] {
+        std::vector<std::string> all = names;
+        for (int r = 0; r < world; ++r) all.push_back(random_states_name(r));
+        SaveDirectoryOptions options;
+        options.overwrite = overwrite;
+        if (!save_hooks_.empty()) {
+          options.before_components = [this](const std::string& dir) {
+            for (const auto& hook : save_hooks_) hook(dir);
+          };
+        }
+        save = std::make_unique<DirectorySave>(env_, path, all, options);
+        return Json{{"dir", save->temp_path()}, {"path", path}}.dump();
+      },
+      "save_state(): opening the checkpoint directory"));
+  // From here a number is used up, as by an asynchronous save: one that fails leaves it unused.
+  if (automatic) config_.iteration(config_.iteration() + 1);
+
+  // 2. Every process writes and fsyncs its own files there: the main process the components,
+  // each process its RNG states.
+  Json report;
+  std::exception_ptr failure;
+  try {
+    const std::string dir = opened.at("dir").get<std::string>();
+    std::vector<torchpoint::Component> mine;
+    if (rank == 0) {
+      for (std::size_t i = 0; i < components_.size(); ++i) {
+        mine.push_back({names[i], components_[i].object.state_dict().to_container()});
+      }
+    }
+    mine.push_back({random_states_name(rank), rng_.state_dict().to_container()});
+    Json files = Json::array();
+    for (const auto& c : mine) files.push_back(write_component(env_, dir, c).to_json());
+    report = files;
+  } catch (const std::exception&) {
+    failure = std::current_exception();
+  }
+
+  // 3. The main process commits only once every process has reported its files written.
+  if (rank != 0) {
+    group_->gather_strings(key + "/files", outcome_of(failure, report).dump(), 0,
+                           "save_state(): sending this process's files");
+  }
+  std::exception_ptr commit_failure;
+  try {
+    decided_by_main(
+        key + "/commit",
+        [&]() -> std::string {
+          std::vector<std::string> reports =
+              group_->gather_strings(key + "/files", outcome_of(failure, report).dump(), 0,
+                                     "save_state(): waiting for every process's files");
+          std::vector<WrittenComponent> written;
+          std::string failed;
+          ErrorCode code = ErrorCode::IOError;
+          for (int r = 0; r < world; ++r) {
+            Json outcome = Json::parse(reports[static_cast<std::size_t>(r)]);
+            if (!outcome.at("ok").get<bool>()) {
+              if (failed.empty()) code = error_code_named(outcome.at("code").get<std::string>());
+              failed += fmt::format("{}rank {}: {}", failed.empty() ? "" : "; ", r,
+                                    outcome.at("message").get<std::string>());
+              continue;
+            }
+            for (const Json& f : outcome.at("value")) {
+              written.push_back(WrittenComponent::from_json(f, fmt::format("rank {}", r)));
+            }
+          }
+          if (!failed.empty()) {
+            save.reset();  // removes the temporary directory and releases the lock
+            throw Error(code, fmt::format("nothing was committed at {}: a process could not "
+                                          "write its part ({})",
+                                          path, failed));
+          }
+          CheckpointInfo info;
+          info.step = step_;
+          info.iteration = config_.iteration() - (automatic ? 1 : 0);
+          info.metadata = {
+              {"accelerator", {{"step", step_}, {"components", names}, {"world_size", world}}}};
+          if (!logged_metrics_.empty()) info.metadata["metrics"] = logged_metrics_;
+          save->commit(written, info);
+          save.reset();
+          if (automatic) apply_total_limit(path);
+          return "";
+        },
+        "save_state(): committing the checkpoint");
+  } catch (const std::exception&) {
+    commit_failure = std::current_exception();
+  }
+  // A process whose own write failed reports that error rather than the summary.
+  if (commit_failure && failure) std::rethrow_exception(failure);
+  if (commit_failure) std::rethrow_exception(commit_failure);
+  return opened.at("path").get<std::string>();
 }
 
 void Accelerator::apply_total_limit(const std::string& just_written) {
@@ -384,12 +678,13 @@ std::optional<LoadStateReport> Accelerator::try_load_state() {
 LoadStateReport Accelerator::load_state(const std::string& input_dir) {
   wait_for_checkpoint();
   LoadStateReport report;
-  std::string path = input_dir;
-  if (path.empty()) {
-    path = detail::newest_valid(detail::committed_checkpoints(checkpoints_dir(), env_), env_,
-                                &report.skipped)
-               .value_or("");
-    if (path.empty()) {
+  const std::string key = group_ ? next_exchange("load_state") : "";
+  auto choose = [&]() -> std::string {
+    if (!input_dir.empty()) return input_dir;
+    std::string newest = detail::newest_valid(detail::committed_checkpoints(checkpoints_dir(), env_),
+                                              env_, &report.skipped)
+                             .value_or("");
+    if (newest.empty()) {
       throw Error(ErrorCode::NotFound,
                   fmt::format("no valid checkpoint under {}{}; save one with save_state() first",
                               checkpoints_dir(),
@@ -397,10 +692,32 @@ LoadStateReport Accelerator::load_state(const std::string& input_dir) {
                                                      : fmt::format(" ({} invalid ones skipped)",
                                                                    report.skipped.size())));
     }
-  }
+    return newest;
+  };
+  // With several processes the main process chooses, so that all load the same one.
+  const std::string path =
+      group_ ? decided_by_main(key + "/choose", choose, "load_state(): choosing the checkpoint")
+             : choose();
   for (const auto& hook : load_hooks_) hook(path);
 
-  DirectoryCheckpoint checkpoint = load_directory(path, env_);
+  DirectoryCheckpoint checkpoint;
+  std::exception_ptr failure;
+  try {
+    checkpoint = load_directory(path, env_);
+  } catch (const std::exception&) {
+    if (!group_) throw;
+    failure = std::current_exception();
+  }
+  // Nothing changes on any process unless every process could read and verify it.
+  if (group_) agree(key + "/verified", failure, fmt::format("load_state(): reading {}", path));
+  const int rank = process_index();
+  int saved_world = 1;
+  {
+    const Json& meta = checkpoint.info.metadata;
+    if (meta.contains("accelerator") && meta["accelerator"].contains("world_size")) {
+      saved_world = meta["accelerator"]["world_size"].get<int>();
+    }
+  }
   std::vector<std::string> names = component_names();
   std::size_t saved_custom = 0, registered_custom = 0;
   for (const auto& c : checkpoint.components) {
@@ -416,15 +733,50 @@ LoadStateReport Accelerator::load_state(const std::string& input_dir) {
                             path, saved_custom, registered_custom));
   }
 
+  // This process's RNG file; a process the checkpoint has none for (more processes now) takes
+  // rank 0's and reseeds its CPU generator below.
+  const bool own_rng = rank < saved_world;
+  const std::string rng_file = random_states_name(own_rng ? rank : 0);
   StatefulSet set;
   for (std::size_t i = 0; i < components_.size(); ++i) set.add(names[i], components_[i].object);
   // Everything else may draw random numbers while loading; the restored streams must not move.
-  set.add(kRandomStates, AnyStateful::ref(rng_), /*restore_last=*/true);
+  set.add(rng_file, AnyStateful::ref(rng_), /*restore_last=*/true);
   StateDict all;
+  std::vector<std::string> orphans;
   for (const auto& c : checkpoint.components) {
+    if (c.name.starts_with(kRandomStatesPrefix) && c.name != rng_file) {
+      // Another process's: restored there, or (when it no longer exists) reported below.
+      std::string digits = c.name.substr(std::string(kRandomStatesPrefix).size());
+      bool number = !digits.empty() && digits.size() < 10 &&
+                    digits.find_first_not_of("0123456789") == std::string::npos;
+      if (number && std::stoi(digits) >= num_processes()) orphans.push_back(c.name);
+      continue;
+    }
     all.set_child(c.name, StateDict::from_container(c.contents));
   }
   RestoreReport restored = set.restore(all);
+  if (!own_rng) {
+    std::uint64_t seed = at::detail::getDefaultCPUGenerator().current_seed() +
+                         static_cast<std::uint64_t>(rank);
+    torch::manual_seed(seed);
+    report.notes.push_back(fmt::format(
+        "{} was saved by {} process(es) and has no RNG states for rank {}: it restored rank 0's "
+        "and seeded its CPU generator with rank 0's seed + {} = {}",
+        path, saved_world, rank, rank, seed));
+  }
+  if (saved_world != num_processes()) {
+    std::string note = fmt::format(
+        "{} was saved by {} process(es) and is loaded by {}: the data position (samples of the "
+        "epoch consumed by all processes) continues the epoch with no sample repeated or "
+        "skipped, but the batches differ from the saved run's from here on{}",
+        path, saved_world, num_processes(),
+        orphans.empty() ? std::string()
+                        : "; the RNG states of ranks that no longer exist are not restored "
+                          "anywhere: " + join_names(orphans));
+    if (is_main_process()) std::fprintf(stderr, "torchpoint: warning: %s\n", note.c_str());
+    report.notes.push_back(std::move(note));
+  }
+  report.saved_world_size = saved_world;
   scaled_pending_ = false;  // the parameters were just replaced; no gradient is pending
 
   // A data position at the end of an epoch whose loop had not ended: the next iteration of that

@@ -1,0 +1,303 @@
+// ProcessGroup on c10d: a TCPStore (torchrun's, or rank 0's) and a ProcessGroupGloo.
+#include "torchpoint/process_group.h"
+
+#include <fmt/format.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <cstdlib>
+#include <mutex>
+
+#include "torchpoint/error.h"
+
+namespace torchpoint {
+
+struct ProcessGroup::Impl {
+  c10::intrusive_ptr<c10d::Store> store;  // under torchpoint's own prefix
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;
+};
+
+namespace {
+
+std::optional<std::string> variable(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return std::nullopt;
+  return std::string(v);
+}
+
+long long integer_variable(const char* name, long long fallback, long long low, long long high) {
+  std::optional<std::string> text = variable(name);
+  if (!text) return fallback;
+  std::size_t used = 0;
+  long long value = 0;
+  try {
+    value = std::stoll(*text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != text->size() || value < low || value > high) {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("the environment variable {}={} is not a whole number in [{}, {}]; "
+                            "start the program with torchrun, or set it correctly",
+                            name, *text, low, high));
+  }
+  return value;
+}
+
+std::vector<std::uint8_t> bytes_of(const std::string& s) {
+  return std::vector<std::uint8_t>(s.begin(), s.end());
+}
+
+std::string string_of(const std::vector<std::uint8_t>& b) { return std::string(b.begin(), b.end()); }
+
+std::string rank_list(const std::vector<int>& ranks) {
+  std::string out;
+  for (std::size_t i = 0; i < ranks.size(); ++i) {
+    out += fmt::format("{}{}", i == 0 ? "" : ", ", ranks[i]);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::optional<ProcessGroupOptions> ProcessGroupOptions::from_environment() {
+  if (!variable("WORLD_SIZE")) return std::nullopt;
+  const long long world = integer_variable("WORLD_SIZE", 1, 1, 1 << 20);
+  ProcessGroupOptions o;
+  o.world_size(static_cast<int>(world));
+  o.rank(static_cast<int>(integer_variable("RANK", 0, 0, world - 1)));
+  const long long local_world = integer_variable("LOCAL_WORLD_SIZE", 1, 1, world);
+  o.local_world_size(static_cast<int>(local_world));
+  o.local_rank(static_cast<int>(integer_variable("LOCAL_RANK", 0, 0, local_world - 1)));
+  o.master_addr(variable("MASTER_ADDR").value_or("127.0.0.1"));
+  o.master_port(static_cast<int>(integer_variable("MASTER_PORT", 29500, 1, 65535)));
+  o.restart_count(static_cast<int>(integer_variable("TORCHELASTIC_RESTART_COUNT", 0, 0, 1 << 30)));
+  o.use_agent_store(variable("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True");
+  const long long seconds = integer_variable("TORCHPOINT_PROCESS_TIMEOUT", 300, 1, 7 * 24 * 3600);
+  o.timeout(std::chrono::seconds(seconds));
+  return o;
+}
+
+ProcessGroup::ProcessGroup(ProcessGroupOptions options, std::unique_ptr<Impl> impl)
+    : options_(std::move(options)), impl_(std::move(impl)) {}
+
+ProcessGroup::~ProcessGroup() = default;
+
+std::shared_ptr<ProcessGroup> ProcessGroup::create(const ProcessGroupOptions& options) {
+  if (options.world_size() < 1 || options.rank() < 0 || options.rank() >= options.world_size()) {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("rank {} of a group of {} processes: the rank must be in [0, {})",
+                            options.rank(), options.world_size(), options.world_size()));
+  }
+  auto impl = std::make_unique<Impl>();
+  c10d::TCPStoreOptions store_options;
+  store_options.port = static_cast<std::uint16_t>(options.master_port());
+  store_options.isServer = options.rank() == 0 && !options.use_agent_store();
+  store_options.numWorkers = options.world_size();
+  store_options.timeout = options.timeout();
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(options.master_addr(), store_options);
+  } catch (const std::exception& e) {
+    throw Error(ErrorCode::IOError,
+                fmt::format("rank {}: cannot reach the rendezvous store at {}:{} ({}); start the "
+                            "program with torchrun, or check MASTER_ADDR and MASTER_PORT",
+                            options.rank(), options.master_addr(), options.master_port(),
+                            e.what()));
+  }
+  if (options.use_agent_store()) {
+    // torchrun's convention: each restart of the group meets under a prefix of its own.
+    store = c10::make_intrusive<c10d::PrefixStore>(
+        fmt::format("/worker/attempt_{}", options.restart_count()), store);
+  }
+  impl->store = c10::make_intrusive<c10d::PrefixStore>("torchpoint", store);
+
+  auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout());
+  std::optional<std::string> interface = variable("GLOO_SOCKET_IFNAME");
+  try {
+    gloo_options->devices.push_back(
+        interface ? c10d::ProcessGroupGloo::createDeviceForInterface(*interface)
+                  : c10d::ProcessGroupGloo::createDefaultDevice());
+    impl->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(
+        c10::make_intrusive<c10d::PrefixStore>("gloo", impl->store), options.rank(),
+        options.world_size(), gloo_options);
+  } catch (const std::exception& e) {
+    throw Error(ErrorCode::IOError,
+                fmt::format("rank {} of {}: the gloo process group could not connect ({}); every "
+                            "rank must start within {} ms of the others",
+                            options.rank(), options.world_size(), e.what(),
+                            options.timeout().count()));
+  }
+  return std::shared_ptr<ProcessGroup>(new ProcessGroup(options, std::move(impl)));
+}
+
+std::shared_ptr<ProcessGroup> ProcessGroup::from_environment() {
+  static std::mutex mutex;
+  static std::shared_ptr<ProcessGroup> group;
+  static bool made = false;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!made) {
+    std::optional<ProcessGroupOptions> options = ProcessGroupOptions::from_environment();
+    if (options && options->world_size() > 1) group = create(*options);
+    made = true;
+  }
+  return group;
+}
+
+std::uint64_t ProcessGroup::enter_collective() {
+  const std::uint64_t n = ++collectives_;
+  impl_->store->set(fmt::format("progress/{}", rank()), bytes_of(std::to_string(n)));
+  return n;
+}
+
+void ProcessGroup::collective_failed(std::uint64_t n, const std::string& what,
+                                     const std::exception& cause) {
+  std::vector<std::string> behind;
+  try {
+    for (int r = 0; r < size(); ++r) {
+      if (r == rank()) continue;
+      std::string key = fmt::format("progress/{}", r);
+      std::uint64_t reached = 0;
+      if (impl_->store->check({key})) reached = std::stoull(string_of(impl_->store->get(key)));
+      if (reached < n) {
+        behind.push_back(reached == 0 ? fmt::format("rank {} (it never reached one)", r)
+                                      : fmt::format("rank {} (still at collective #{})", r,
+                                                    reached));
+      }
+    }
+  } catch (const std::exception&) {
+    // The store itself is gone (its server, rank 0 or torchrun, died): the cause says enough.
+    behind.clear();
+  }
+  std::string who;
+  for (std::size_t i = 0; i < behind.size(); ++i) who += (i == 0 ? "" : ", ") + behind[i];
+  throw Error(ErrorCode::IOError,
+              behind.empty()
+                  ? fmt::format("rank {}: {} (collective #{}) failed: {}", rank(), what, n,
+                                cause.what())
+                  : fmt::format("rank {}: {} (collective #{}) failed: {} did not take part; it "
+                                "died or stopped answering (the group waits at most {} ms): {}",
+                                rank(), what, n, who, timeout().count(), cause.what()));
+}
+
+void ProcessGroup::barrier(const std::string& what) {
+  std::uint64_t n = enter_collective();
+  try {
+    impl_->gloo->barrier()->wait();
+  } catch (const std::exception& e) {
+    collective_failed(n, what, e);
+  }
+}
+
+void ProcessGroup::broadcast(std::vector<at::Tensor>& tensors, int root, const std::string& what) {
+  if (tensors.empty()) return;
+  std::uint64_t n = enter_collective();
+  c10d::BroadcastOptions o;
+  o.rootRank = root;
+  try {
+    impl_->gloo->broadcast(tensors, o)->wait();
+  } catch (const std::exception& e) {
+    collective_failed(n, what, e);
+  }
+}
+
+void ProcessGroup::allreduce(at::Tensor& tensor, ReduceOp op, const std::string& what) {
+  std::uint64_t n = enter_collective();
+  c10d::AllreduceOptions o;
+  o.reduceOp = op == ReduceOp::Sum   ? c10d::ReduceOp::SUM
+               : op == ReduceOp::Max ? c10d::ReduceOp::MAX
+                                     : c10d::ReduceOp::MIN;
+  std::vector<at::Tensor> tensors{tensor};
+  try {
+    impl_->gloo->allreduce(tensors, o)->wait();
+  } catch (const std::exception& e) {
+    collective_failed(n, what, e);
+  }
+}
+
+std::vector<at::Tensor> ProcessGroup::allgather(const at::Tensor& tensor, const std::string& what) {
+  std::uint64_t n = enter_collective();
+  std::vector<at::Tensor> input{tensor.contiguous()};
+  std::vector<std::vector<at::Tensor>> output(1);
+  for (int r = 0; r < size(); ++r) output[0].push_back(at::empty_like(input[0]));
+  try {
+    impl_->gloo->allgather(output, input)->wait();
+  } catch (const std::exception& e) {
+    collective_failed(n, what, e);
+  }
+  return output[0];
+}
+
+std::vector<std::string> ProcessGroup::wait_for_keys(const std::vector<std::string>& keys,
+                                                     const std::vector<int>& ranks,
+                                                     const std::string& what) {
+  try {
+    impl_->store->wait(keys, timeout());
+  } catch (const std::exception& e) {
+    std::vector<int> missing;
+    try {
+      for (std::size_t i = 0; i < keys.size(); ++i) {
+        if (!impl_->store->check({keys[i]})) missing.push_back(ranks[i]);
+      }
+    } catch (const std::exception&) {
+      // The store itself is gone: the cause says enough.
+      missing.clear();
+    }
+    throw Error(ErrorCode::IOError,
+                missing.empty()
+                    ? fmt::format("rank {}: {} failed: {}", rank(), what, e.what())
+                    : fmt::format("rank {}: {}: rank{} {} stopped answering (nothing within {} "
+                                  "ms)",
+                                  rank(), what, missing.size() > 1 ? "s" : "",
+                                  rank_list(missing), timeout().count()));
+  }
+  std::vector<std::string> values;
+  for (const std::string& key : keys) values.push_back(string_of(impl_->store->get(key)));
+  return values;
+}
+
+std::string ProcessGroup::broadcast_string(const std::string& key, const std::string& value,
+                                           int root, const std::string& what) {
+  std::string k = fmt::format("msg/{}/{}", key, root);
+  if (rank() == root) {
+    impl_->store->set(k, bytes_of(value));
+    return value;
+  }
+  return wait_for_keys({k}, {root}, what)[0];
+}
+
+std::vector<std::string> ProcessGroup::allgather_strings(const std::string& key,
+                                                         const std::string& value,
+                                                         const std::string& what) {
+  impl_->store->set(fmt::format("msg/{}/{}", key, rank()), bytes_of(value));
+  std::vector<std::string> keys;
+  std::vector<int> ranks;
+  for (int r = 0; r < size(); ++r) {
+    keys.push_back(fmt::format("msg/{}/{}", key, r));
+    ranks.push_back(r);
+  }
+  return wait_for_keys(keys, ranks, what);
+}
+
+std::vector<std::string> ProcessGroup::gather_strings(const std::string& key,
+                                                      const std::string& value, int root,
+                                                      const std::string& what) {
+  if (rank() != root) {
+    impl_->store->set(fmt::format("msg/{}/{}", key, rank()), bytes_of(value));
+    return {};
+  }
+  std::vector<std::string> keys;
+  std::vector<int> ranks;
+  for (int r = 0; r < size(); ++r) {
+    if (r == root) continue;
+    keys.push_back(fmt::format("msg/{}/{}", key, r));
+    ranks.push_back(r);
+  }
+  std::vector<std::string> others = wait_for_keys(keys, ranks, what);
+  std::vector<std::string> all;
+  for (int r = 0, i = 0; r < size(); ++r) all.push_back(r == root ? value : others[i++]);
+  return all;
+}
+
+}  // namespace torchpoint

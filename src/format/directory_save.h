@@ -1,0 +1,64 @@
+// A directory checkpoint written by several writers (the ranks of a multi-process run) and
+// committed by one: the committer opens it (lock, temporary directory, save hooks), every writer
+// writes and fsyncs its own component files into temp_path() and reports what it wrote, and the
+// committer writes the manifest listing every file and renames the directory into place.
+// save_directory() is the one-writer case.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "format/manifest.h"
+#include "io/atomic_commit.h"
+#include "torchpoint/checkpoint_dir.h"
+#include "torchpoint/state_dict.h"
+
+namespace torchpoint {
+
+// One component file as written: what the manifest lists for it.
+struct WrittenComponent {
+  std::string file_name;
+  std::string component;
+  std::uint64_t size = 0;
+  std::uint64_t header_checksum = 0;
+
+  // For sending to the committer: {"file", "component", "size", "header_checksum"}.
+  Json to_json() const;
+  // Throws InvalidArgument naming `from` when `json` is not what to_json() makes.
+  static WrittenComponent from_json(const Json& json, const std::string& from);
+};
+
+// Writes `component` as <dir>/<name>.safetensors (a new file), fsynced and closed. Any writer.
+WrittenComponent write_component(Env& env, const std::string& dir, const Component& component);
+
+class DirectorySave {
+ public:
+  // The committer's side. Checks `component_names` (every component any writer will write),
+  // creates the parent, takes its lock (held until commit or destruction), removes what dead
+  // writers left there, creates the temporary directory and runs options.before_components in
+  // it. Throws what save_directory() throws; nothing is left behind.
+  DirectorySave(Env& env, const std::string& path, const std::vector<std::string>& component_names,
+                const SaveDirectoryOptions& options);
+  ~DirectorySave();
+  DirectorySave(const DirectorySave&) = delete;
+  DirectorySave& operator=(const DirectorySave&) = delete;
+
+  const std::string& temp_path() const;
+  // Every writer has written its files (`files`, in the order the manifest lists them): writes
+  // the manifest last and commits. Throws InvalidArgument when `files` differs from the component
+  // names given at construction. On failure nothing is committed and the destructor removes the
+  // temporary directory.
+  void commit(const std::vector<WrittenComponent>& files, const CheckpointInfo& info);
+
+ private:
+  Env& env_;
+  std::string path_;
+  std::vector<std::string> component_names_;
+  std::unique_ptr<ProjectLock> lock_;
+  std::unique_ptr<PendingDir> pending_;
+  std::vector<ManifestExtraFile> extra_files_;  // what the save hooks wrote
+};
+
+}  // namespace torchpoint

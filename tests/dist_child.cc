@@ -1,0 +1,213 @@
+// Child of dist_test, started by torchrun (`torchrun --no-python dist_child ...`): the seed's
+// Accelerate loop (MLP, AdamW, StepLR, GradScaler, shuffled data, a registered counter) on every
+// process, saving with automatic naming and total_limit 3 every 4 steps, resuming with
+// load_state() when the project has a checkpoint.
+//
+// Usage: dist_child PROJECT LOG PLAN [BATCH]
+//   LOG    each process appends to LOG.<rank>:
+//            "checked <n>"             (rank 0, at start: committed checkpoints, all complete)
+//            "bad <path> <why>"        (rank 0, at start: a committed checkpoint lacking a file)
+//            "resumed <path> <world>"  "step <n> <parameter digest>"  "samples <epoch> <i,j,...>"
+//            "save_failed <message>"   "error <message>"   "final <digest of the whole state>"
+//          and rank 0 writes the final model to LOG.model.safetensors.
+//   PLAN   what goes wrong, on the first attempt only (TORCHELASTIC_RESTART_COUNT=0):
+//            none | kill:R:step:N | kill:R:save:K:op:M | fail:R:save:K | hang:R:step:N |
+//            hang:R:save:K | stop:step:N (every rank exits 0 right after step N's save)
+//          R is the rank it happens on; K counts this process's saves from 1; op:M is the M-th
+//          file-system call of that save on that rank.
+//   BATCH  samples per process per step (16).
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "format/checksum.h"
+#include "testing/fault_env.h"
+#include "tests/child_log.h"
+#include "torchpoint/accelerator.h"
+#include "torchpoint/data_loader.h"
+#include "torchpoint/module_state.h"
+#include "torchpoint/optimizer_state.h"
+#include "torchpoint/tensor_file.h"
+
+namespace tp = torchpoint;
+
+namespace {
+
+// 192 samples: whole global batches for 1, 2, 3, 4 and 6 processes of 16 (and 4 of 32, ...). The
+// target's second column is the sample's index, so a process can log what it trained on.
+struct IndexedData : torch::data::datasets::Dataset<IndexedData> {
+  IndexedData() {
+    torch::manual_seed(123);
+    x = torch::randn({192, 10});
+    y = torch::stack({x.sum(1).sin(), torch::arange(192, torch::kFloat)}, 1);
+  }
+  torch::data::Example<> get(std::size_t i) override { return {x[i], y[i]}; }
+  c10::optional<std::size_t> size() const override { return 192; }
+  torch::Tensor x, y;
+};
+
+std::uint64_t digest_of(const tp::StateDict& sd) {
+  tp::Xxh3Stream h;
+  for (const auto& [key, value] : sd.entries()) {
+    h.update(key.data(), key.size());
+    if (std::holds_alternative<at::Tensor>(value)) {
+      at::Tensor t = std::get<at::Tensor>(value).contiguous();
+      h.update(t.data_ptr(), t.numel() * t.element_size());
+    } else {
+      std::string text = std::get<tp::Json>(value).dump();
+      h.update(text.data(), text.size());
+    }
+  }
+  return h.digest();
+}
+
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v ? std::atoi(v) : fallback;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 4) {
+    std::fprintf(stderr, "usage: dist_child PROJECT LOG PLAN [BATCH]\n");
+    return 2;
+  }
+  const std::string project = argv[1], plan = argv[3];
+  const int rank = env_int("RANK", 0), world = env_int("WORLD_SIZE", 1);
+  const bool first_attempt = env_int("TORCHELASTIC_RESTART_COUNT", 0) == 0;
+  const std::string log = std::string(argv[2]) + "." + std::to_string(rank);
+  const long batch = argc > 4 ? std::atol(argv[4]) : 16;
+
+  char what[16] = "";
+  int plan_rank = -1;
+  long kill_step = -1, kill_save = -1, kill_op = -1, fail_save = -1, hang_step = -1,
+       hang_save = -1, stop_step = -1;
+  if (std::sscanf(plan.c_str(), "%15[a-z]:%d:", what, &plan_rank) == 2 && first_attempt &&
+      plan_rank == rank) {
+    const char* rest = std::strchr(plan.c_str() + std::strlen(what) + 1, ':') + 1;
+    std::string w = what;
+    if (w == "kill") {
+      std::sscanf(rest, "step:%ld", &kill_step);
+      std::sscanf(rest, "save:%ld:op:%ld", &kill_save, &kill_op);
+    } else if (w == "fail") {
+      std::sscanf(rest, "save:%ld", &fail_save);
+    } else if (w == "hang") {
+      std::sscanf(rest, "step:%ld", &hang_step);
+      std::sscanf(rest, "save:%ld", &hang_save);
+    }
+  }
+  if (first_attempt) std::sscanf(plan.c_str(), "stop:step:%ld", &stop_step);
+
+  tp::testing::FaultEnv env;
+  long saves = 0, ops_in_save = 0;
+  bool in_save = false;
+  env.set_before_op([&](tp::testing::Op, const std::string&) {
+    if (!in_save) return;
+    ++ops_in_save;
+    if (saves == kill_save && ops_in_save == kill_op) ::raise(SIGKILL);
+  });
+
+  try {
+    tp::Accelerator acc(tp::ProjectConfiguration()
+                            .project_dir(project)
+                            .automatic_checkpoint_naming(true)
+                            .total_limit(3),
+                        env);
+    if (acc.is_main_process()) {
+      // What the kill of the previous attempt left: every committed checkpoint complete.
+      auto committed = acc.list_checkpoints();
+      for (const auto& [number, path] : committed) {
+        tp::VerifyReport report = tp::verify(path);
+        if (!report.ok()) tp::testing::append_line(log, "bad " + path + " " + report.problems[0]);
+      }
+      tp::testing::append_line(log, "checked " + std::to_string(committed.size()));
+    }
+    auto loader = tp::make_resumable_data_loader(
+        IndexedData().map(torch::data::transforms::Stack<>()),
+        torch::data::DataLoaderOptions().batch_size(static_cast<std::size_t>(batch)),
+        /*shuffle=*/true, /*seed=*/5);
+    torch::manual_seed(1 + rank);  // different on every rank: prepare() must make them equal
+    auto model = torch::nn::Sequential(torch::nn::Linear(10, 32), torch::nn::ReLU(),
+                                       torch::nn::Linear(32, 1));
+    torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+    tp::StepLR scheduler(optimizer, tp::StepLROptions(1).gamma(0.9));
+    tp::GradScaler scaler(tp::GradScalerOptions().init_scale(1024).growth_interval(4));
+    tp::TrainingCounters counters;
+    acc.prepare(model, optimizer, loader, scheduler, scaler);
+    acc.register_for_checkpointing(counters);
+
+    if (!acc.list_checkpoints().empty()) {
+      tp::LoadStateReport r = acc.load_state();
+      tp::testing::append_line(log, fmt::format("resumed {} {}", r.path, r.saved_world_size));
+    }
+    auto params_digest = [&] {
+      tp::Xxh3Stream h;
+      for (const at::Tensor& p : model->parameters()) {
+        at::Tensor c = p.detach().contiguous();
+        h.update(c.data_ptr(), c.numel() * c.element_size());
+      }
+      return tp::checksum_hex(h.digest());
+    };
+    while (counters.epoch < 3) {
+      for (auto& b : *loader) {
+        if (counters.step + 1 == hang_step) ::sleep(600);
+        optimizer.zero_grad();
+        at::Tensor target = b.target.select(1, 0).unsqueeze(1);
+        at::Tensor indices = b.target.select(1, 1).to(torch::kLong);
+        auto loss = torch::mse_loss(model->forward(b.data), target);
+        // Every 7th step overflows: the scaler skips it on every rank alike.
+        acc.backward(counters.step % 7 == 3 ? loss * 1e38f * 1e10f : loss);
+        acc.optimizer_step(optimizer);
+        ++counters.step;
+        ++counters.batch_in_epoch;
+        std::string samples;
+        for (std::int64_t i = 0; i < indices.numel(); ++i) {
+          samples += (i ? "," : "") + std::to_string(indices[i].item<std::int64_t>());
+        }
+        tp::testing::append_line(log, fmt::format("samples {} {}", counters.epoch, samples));
+        tp::testing::append_line(log, fmt::format("step {} {}", counters.step, params_digest()));
+        if (counters.step == kill_step) ::raise(SIGKILL);
+        if (counters.step % 4 == 0) {
+          ++saves;
+          ops_in_save = 0;
+          in_save = true;
+          if (saves == hang_save) ::sleep(600);
+          if (saves == fail_save) env.fail_nth({tp::testing::Op::Write}, 1, ENOSPC);
+          try {
+            acc.save_state();
+          } catch (const tp::Error& e) {
+            if (fail_save < 0) throw;
+            tp::testing::append_line(log, std::string("save_failed ") + e.what());
+          }
+          env.clear_faults();
+          in_save = false;
+          if (counters.step == stop_step) return 0;
+        }
+      }
+      scheduler.step();
+      ++counters.epoch;
+      counters.batch_in_epoch = 0;
+    }
+    tp::StateDict final_state;
+    final_state.set_child("model", tp::module_state_dict(*model));
+    final_state.set_child("optimizer", tp::optimizer_state_dict(optimizer));
+    final_state.set_child("scheduler", scheduler.state_dict());
+    final_state.set_child("scaler", scaler.state_dict());
+    final_state.set_child("rng", acc.rng().state_dict());
+    tp::testing::append_line(log, "final " + tp::checksum_hex(digest_of(final_state)));
+    if (acc.is_main_process()) {
+      tp::save_file(std::string(argv[2]) + ".model.safetensors",
+                    tp::module_state_dict(*model).to_container());
+    }
+    (void)world;
+  } catch (const std::exception& e) {
+    tp::testing::append_line(log, std::string("error ") + e.what());
+    std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
+    return 1;
+  }
+  return 0;
+}
