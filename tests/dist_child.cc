@@ -8,7 +8,8 @@
 //            "checked <n>"             (rank 0, at start: committed checkpoints, all complete)
 //            "bad <path> <why>"        (rank 0, at start: a committed checkpoint lacking a file)
 //            "resumed <path> <world>"  "step <n> <parameter digest>"  "samples <epoch> <i,j,...>"
-//            "save_failed <message>"   "error <message>"   "final <digest of the whole state>"
+//            "save_failed <message>"   "save_ops <K> <file-system calls of save K>"
+//            "error <message>"         "final <digest of the whole state>"
 //          and rank 0 writes the final model to LOG.model.safetensors.
 //   PLAN   what goes wrong, on the first attempt only (TORCHELASTIC_RESTART_COUNT=0):
 //            none | kill:R:step:N | kill:R:save:K:op:M | fail:R:save:K | hang:R:step:N |
@@ -84,8 +85,8 @@ int main(int argc, char** argv) {
 
   char what[16] = "";
   int plan_rank = -1;
-  long kill_step = -1, kill_save = -1, kill_op = -1, fail_save = -1, hang_step = -1,
-       hang_save = -1, stop_step = -1;
+  long kill_step = -1, kill_save = -1, kill_op = -1, fail_save = -1, hang_step = -1, hang_save = -1,
+       stop_step = -1;
   if (std::sscanf(plan.c_str(), "%15[a-z]:%d:", what, &plan_rank) == 2 && first_attempt &&
       plan_rank == rank) {
     const char* rest = std::strchr(plan.c_str() + std::strlen(what) + 1, ':') + 1;
@@ -180,11 +181,12 @@ int main(int argc, char** argv) {
           try {
             acc.save_state();
           } catch (const tp::Error& e) {
-            if (fail_save < 0) throw;
+            if (plan.rfind("fail:", 0) != 0) throw;
             tp::testing::append_line(log, std::string("save_failed ") + e.what());
           }
           env.clear_faults();
           in_save = false;
+          tp::testing::append_line(log, fmt::format("save_ops {} {}", saves, ops_in_save));
           if (counters.step == stop_step) return 0;
         }
       }

@@ -24,10 +24,10 @@ namespace torchpoint {
 // Who this process is and where the group meets. from_environment() reads torchrun's variables;
 // a test or a launcher of its own may fill them in by hand.
 struct ProcessGroupOptions {
-  TORCH_ARG(int, rank) = 0;              // RANK
-  TORCH_ARG(int, world_size) = 1;        // WORLD_SIZE
-  TORCH_ARG(int, local_rank) = 0;        // LOCAL_RANK
-  TORCH_ARG(int, local_world_size) = 1;  // LOCAL_WORLD_SIZE
+  TORCH_ARG(int, rank) = 0;                           // RANK
+  TORCH_ARG(int, world_size) = 1;                     // WORLD_SIZE
+  TORCH_ARG(int, local_rank) = 0;                     // LOCAL_RANK
+  TORCH_ARG(int, local_world_size) = 1;               // LOCAL_WORLD_SIZE
   TORCH_ARG(std::string, master_addr) = "127.0.0.1";  // MASTER_ADDR
   TORCH_ARG(int, master_port) = 29500;                // MASTER_PORT
   // TORCHELASTIC_RESTART_COUNT: how many times torchrun restarted the group before this run.

@@ -2,12 +2,12 @@
 #include "torchpoint/process_group.h"
 
 #include <fmt/format.h>
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <cstdlib>
 #include <mutex>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "torchpoint/error.h"
 
@@ -49,7 +49,9 @@ std::vector<std::uint8_t> bytes_of(const std::string& s) {
   return std::vector<std::uint8_t>(s.begin(), s.end());
 }
 
-std::string string_of(const std::vector<std::uint8_t>& b) { return std::string(b.begin(), b.end()); }
+std::string string_of(const std::vector<std::uint8_t>& b) {
+  return std::string(b.begin(), b.end());
+}
 
 std::string rank_list(const std::vector<int>& ranks) {
   std::string out;
@@ -100,11 +102,11 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const ProcessGroupOptions& op
   try {
     store = c10::make_intrusive<c10d::TCPStore>(options.master_addr(), store_options);
   } catch (const std::exception& e) {
-    throw Error(ErrorCode::IOError,
-                fmt::format("rank {}: cannot reach the rendezvous store at {}:{} ({}); start the "
-                            "program with torchrun, or check MASTER_ADDR and MASTER_PORT",
-                            options.rank(), options.master_addr(), options.master_port(),
-                            e.what()));
+    throw Error(
+        ErrorCode::IOError,
+        fmt::format("rank {}: cannot reach the rendezvous store at {}:{} ({}); start the "
+                    "program with torchrun, or check MASTER_ADDR and MASTER_PORT",
+                    options.rank(), options.master_addr(), options.master_port(), e.what()));
   }
   if (options.use_agent_store()) {
     // torchrun's convention: each restart of the group meets under a prefix of its own.
@@ -123,11 +125,11 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const ProcessGroupOptions& op
         c10::make_intrusive<c10d::PrefixStore>("gloo", impl->store), options.rank(),
         options.world_size(), gloo_options);
   } catch (const std::exception& e) {
-    throw Error(ErrorCode::IOError,
-                fmt::format("rank {} of {}: the gloo process group could not connect ({}); every "
-                            "rank must start within {} ms of the others",
-                            options.rank(), options.world_size(), e.what(),
-                            options.timeout().count()));
+    throw Error(
+        ErrorCode::IOError,
+        fmt::format("rank {} of {}: the gloo process group could not connect ({}); every "
+                    "rank must start within {} ms of the others",
+                    options.rank(), options.world_size(), e.what(), options.timeout().count()));
   }
   return std::shared_ptr<ProcessGroup>(new ProcessGroup(options, std::move(impl)));
 }
@@ -161,9 +163,9 @@ void ProcessGroup::collective_failed(std::uint64_t n, const std::string& what,
       std::uint64_t reached = 0;
       if (impl_->store->check({key})) reached = std::stoull(string_of(impl_->store->get(key)));
       if (reached < n) {
-        behind.push_back(reached == 0 ? fmt::format("rank {} (it never reached one)", r)
-                                      : fmt::format("rank {} (still at collective #{})", r,
-                                                    reached));
+        behind.push_back(reached == 0
+                             ? fmt::format("rank {} (it never reached one)", r)
+                             : fmt::format("rank {} (still at collective #{})", r, reached));
       }
     }
   } catch (const std::exception&) {
@@ -172,13 +174,13 @@ void ProcessGroup::collective_failed(std::uint64_t n, const std::string& what,
   }
   std::string who;
   for (std::size_t i = 0; i < behind.size(); ++i) who += (i == 0 ? "" : ", ") + behind[i];
-  throw Error(ErrorCode::IOError,
-              behind.empty()
-                  ? fmt::format("rank {}: {} (collective #{}) failed: {}", rank(), what, n,
-                                cause.what())
-                  : fmt::format("rank {}: {} (collective #{}) failed: {} did not take part; it "
-                                "died or stopped answering (the group waits at most {} ms): {}",
-                                rank(), what, n, who, timeout().count(), cause.what()));
+  throw Error(
+      ErrorCode::IOError,
+      behind.empty()
+          ? fmt::format("rank {}: {} (collective #{}) failed: {}", rank(), what, n, cause.what())
+          : fmt::format("rank {}: {} (collective #{}) failed: {} did not take part; it "
+                        "died or stopped answering (the group waits at most {} ms): {}",
+                        rank(), what, n, who, timeout().count(), cause.what()));
 }
 
 void ProcessGroup::barrier(const std::string& what) {
@@ -249,8 +251,8 @@ std::vector<std::string> ProcessGroup::wait_for_keys(const std::vector<std::stri
                     ? fmt::format("rank {}: {} failed: {}", rank(), what, e.what())
                     : fmt::format("rank {}: {}: rank{} {} stopped answering (nothing within {} "
                                   "ms)",
-                                  rank(), what, missing.size() > 1 ? "s" : "",
-                                  rank_list(missing), timeout().count()));
+                                  rank(), what, missing.size() > 1 ? "s" : "", rank_list(missing),
+                                  timeout().count()));
   }
   std::vector<std::string> values;
   for (const std::string& key : keys) values.push_back(string_of(impl_->store->get(key)));

@@ -136,7 +136,8 @@ WrittenComponent WrittenComponent::from_json(const Json& json, const std::string
     w.file_name = json.at("file").get<std::string>();
     w.component = json.at("component").get<std::string>();
     w.size = json.at("size").get<std::uint64_t>();
-    std::optional<std::uint64_t> sum = parse_checksum_hex(json.at("header_checksum").get<std::string>());
+    std::optional<std::uint64_t> sum =
+        parse_checksum_hex(json.at("header_checksum").get<std::string>());
     if (!sum) throw std::invalid_argument("header_checksum is not 16 hex digits");
     w.header_checksum = *sum;
     return w;
@@ -225,7 +226,8 @@ void save_directory(const std::string& path, const std::vector<Component>& compo
   for (const Component& c : components) names.push_back(c.name);
   DirectorySave save(env, path, names, options);
   std::vector<WrittenComponent> written;
-  for (const Component& c : components) written.push_back(write_component(env, save.temp_path(), c));
+  for (const Component& c : components)
+    written.push_back(write_component(env, save.temp_path(), c));
   save.commit(written, info);
 }
 

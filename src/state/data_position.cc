@@ -111,9 +111,9 @@ c10::optional<std::vector<std::size_t>> ResumableSampler::next(std::size_t batch
 
 void ResumableSampler::shard(int rank, int count) {
   if (count < 1 || rank < 0 || rank >= count) {
-    throw Error(ErrorCode::InvalidArgument,
-                fmt::format("sampler shard {} of {}: the rank must be in [0, {})", rank, count,
-                            count));
+    throw Error(
+        ErrorCode::InvalidArgument,
+        fmt::format("sampler shard {} of {}: the rank must be in [0, {})", rank, count, count));
   }
   cursor_->shard_rank = rank;
   cursor_->shard_count = count;
@@ -128,9 +128,8 @@ void ResumableSampler::set_epoch(std::int64_t epoch) {
 }
 
 void ResumableSampler::consume(std::size_t samples) {
-  cursor_->consumed = std::min(cursor_->size,
-                               cursor_->consumed + samples * static_cast<std::size_t>(
-                                                                 cursor_->shard_count));
+  cursor_->consumed = std::min(
+      cursor_->size, cursor_->consumed + samples * static_cast<std::size_t>(cursor_->shard_count));
 }
 
 void ResumableSampler::skip_first_batches(std::size_t batches, std::size_t batch_size,

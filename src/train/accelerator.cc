@@ -72,9 +72,9 @@ std::string join_names(const std::vector<std::string>& names) {
 }
 
 ErrorCode error_code_named(const std::string& name) {
-  for (ErrorCode c : {ErrorCode::NotFound, ErrorCode::Corruption, ErrorCode::Incompatible,
-                      ErrorCode::IOError, ErrorCode::InvalidArgument, ErrorCode::Locked,
-                      ErrorCode::Unsupported}) {
+  for (ErrorCode c :
+       {ErrorCode::NotFound, ErrorCode::Corruption, ErrorCode::Incompatible, ErrorCode::IOError,
+        ErrorCode::InvalidArgument, ErrorCode::Locked, ErrorCode::Unsupported}) {
     if (name == error_code_name(c)) return c;
   }
   return ErrorCode::IOError;
@@ -148,8 +148,7 @@ void Accelerator::OptimizerAdapter::load_state_dict(const StateDict& state) {
   load_optimizer_state_dict(*optimizer, state);
 }
 
-Accelerator::Accelerator(ProjectConfiguration config, Env& env,
-                         std::shared_ptr<ProcessGroup> group)
+Accelerator::Accelerator(ProjectConfiguration config, Env& env, std::shared_ptr<ProcessGroup> group)
     : config_(std::move(config)), env_(env), group_(std::move(group)) {
   if (config_.total_limit() && *config_.total_limit() < 1) {
     throw Error(ErrorCode::InvalidArgument,
@@ -275,7 +274,8 @@ void Accelerator::average_gradients() {
   std::unordered_set<const void*> seen;
   for (const auto& model : models_) {
     for (const at::Tensor& p : model->parameters()) {
-      if (!p.requires_grad() || !p.grad().defined() || !seen.insert(p.unsafeGetTensorImpl()).second) {
+      if (!p.requires_grad() || !p.grad().defined() ||
+          !seen.insert(p.unsafeGetTensorImpl()).second) {
         continue;
       }
       grads.push_back(p.grad());
@@ -491,15 +491,16 @@ std::string Accelerator::decided_by_main(const std::string& key,
   Json outcome = Json::parse(group_->broadcast_string(key, "", 0, what));
   if (!outcome.at("ok").get<bool>()) {
     throw Error(error_code_named(outcome.at("code").get<std::string>()),
-                fmt::format("rank {}: {} failed on the main process (rank 0): {}",
-                            group_->rank(), what, outcome.at("message").get<std::string>()));
+                fmt::format("rank {}: {} failed on the main process (rank 0): {}", group_->rank(),
+                            what, outcome.at("message").get<std::string>()));
   }
   return outcome.at("value").get<std::string>();
 }
 
 void Accelerator::agree(const std::string& key, const std::exception_ptr& failure,
                         const std::string& what) {
-  std::vector<std::string> outcomes = group_->allgather_strings(key, outcome_of(failure).dump(), what);
+  std::vector<std::string> outcomes =
+      group_->allgather_strings(key, outcome_of(failure).dump(), what);
   std::string failed;
   ErrorCode code = ErrorCode::IOError;
   for (std::size_t r = 0; r < outcomes.size(); ++r) {
@@ -681,9 +682,10 @@ LoadStateReport Accelerator::load_state(const std::string& input_dir) {
   const std::string key = group_ ? next_exchange("load_state") : "";
   auto choose = [&]() -> std::string {
     if (!input_dir.empty()) return input_dir;
-    std::string newest = detail::newest_valid(detail::committed_checkpoints(checkpoints_dir(), env_),
-                                              env_, &report.skipped)
-                             .value_or("");
+    std::string newest =
+        detail::newest_valid(detail::committed_checkpoints(checkpoints_dir(), env_), env_,
+                             &report.skipped)
+            .value_or("");
     if (newest.empty()) {
       throw Error(ErrorCode::NotFound,
                   fmt::format("no valid checkpoint under {}{}; save one with save_state() first",
@@ -756,8 +758,8 @@ LoadStateReport Accelerator::load_state(const std::string& input_dir) {
   }
   RestoreReport restored = set.restore(all);
   if (!own_rng) {
-    std::uint64_t seed = at::detail::getDefaultCPUGenerator().current_seed() +
-                         static_cast<std::uint64_t>(rank);
+    std::uint64_t seed =
+        at::detail::getDefaultCPUGenerator().current_seed() + static_cast<std::uint64_t>(rank);
     torch::manual_seed(seed);
     report.notes.push_back(fmt::format(
         "{} was saved by {} process(es) and has no RNG states for rank {}: it restored rank 0's "
@@ -772,7 +774,8 @@ LoadStateReport Accelerator::load_state(const std::string& input_dir) {
         path, saved_world, num_processes(),
         orphans.empty() ? std::string()
                         : "; the RNG states of ranks that no longer exist are not restored "
-                          "anywhere: " + join_names(orphans));
+                          "anywhere: " +
+                              join_names(orphans));
     if (is_main_process()) std::fprintf(stderr, "torchpoint: warning: %s\n", note.c_str());
     report.notes.push_back(std::move(note));
   }

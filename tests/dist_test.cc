@@ -1,0 +1,394 @@
+// Several processes, for real: dist_child (the seed's Accelerate loop) started by the venv's
+// torchrun over loopback, killed with SIGKILL and restarted by torchrun, made to fail a write on
+// one rank, made to hang, and resumed on another number of processes. Plus the sampler's
+// sharding and the process context's environment parsing, which need no processes.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <random>
+#include <set>
+#include <sstream>
+
+#include "testing/test_util.h"
+#include "tests/child_log.h"
+#include "torchpoint/checkpoint_dir.h"
+#include "torchpoint/data_position.h"
+#include "torchpoint/process_group.h"
+#include "torchpoint/tensor_file.h"
+
+namespace tp = torchpoint;
+namespace tt = torchpoint::testing;
+
+namespace {
+
+// One process's log, split by kind; steps keep every line of every attempt.
+struct RankLog {
+  std::vector<std::pair<long, std::string>> steps;          // (step, parameter digest)
+  std::vector<std::pair<long, std::vector<long>>> samples;  // (epoch, sample indices)
+  std::map<std::string, std::vector<std::string>> other;
+};
+
+RankLog read_log(const std::string& path) {
+  RankLog out;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream words(line);
+    std::string kind, rest;
+    words >> kind;
+    if (kind == "step") {
+      long step;
+      std::string digest;
+      words >> step >> digest;
+      out.steps.emplace_back(step, digest);
+    } else if (kind == "samples") {
+      long epoch;
+      std::string list;
+      words >> epoch >> list;
+      std::vector<long> indices;
+      std::stringstream items(list);
+      for (std::string item; std::getline(items, item, ',');) indices.push_back(std::stol(item));
+      out.samples.emplace_back(epoch, indices);
+    } else {
+      std::getline(words >> std::ws, rest);
+      out.other[kind].push_back(rest);
+    }
+  }
+  return out;
+}
+
+struct ChildRun {
+  int status = -1;
+  std::string output;
+  std::vector<RankLog> logs;
+};
+
+// Runs dist_child on `processes` processes under torchrun (or directly, for 0), with the log
+// prefix `log` in `dir`.
+ChildRun run_child(const std::string& dir, const std::string& log, int processes,
+                   const std::string& plan, int batch = 16, int max_restarts = 1,
+                   const std::string& extra_env = "") {
+  std::string out = dir + "/" + log + ".out";
+  std::string command =
+      processes == 0 ? fmt::format("{} {} {}/project {}/{} {} {}", extra_env, DIST_CHILD, dir, dir,
+                                   log, plan, batch)
+                     : fmt::format(
+                           "{} {} -m torch.distributed.run --standalone --nproc-per-node {} "
+                           "--max-restarts {} --monitor-interval 0.1 --no-python {} {}/project "
+                           "{}/{} {} {}",
+                           extra_env, tt::python(), processes, max_restarts, DIST_CHILD, dir, dir,
+                           log, plan, batch);
+  ChildRun run;
+  run.status = std::system((command + " > " + out + " 2>&1").c_str());
+  run.output = tt::read_bytes(out);
+  for (int r = 0; r < std::max(processes, 1); ++r) {
+    run.logs.push_back(read_log(fmt::format("{}/{}.{}", dir, log, r)));
+  }
+  return run;
+}
+
+std::map<long, std::string> last_digest_by_step(const RankLog& log) {
+  std::map<long, std::string> out;
+  for (const auto& [step, digest] : log.steps) out[step] = digest;
+  return out;
+}
+
+std::vector<std::string> committed(const std::string& dir) {
+  std::vector<std::string> out;
+  std::string checkpoints = dir + "/project/checkpoints";
+  for (const std::string& name : tt::list_sorted(checkpoints)) {
+    if (name != ".lock") out.push_back(name);
+  }
+  return out;
+}
+
+// The processes of a W-process run on 16 samples each saw, step by step, the samples of the one
+// process run on 16 * W: checks that and returns nothing.
+void expect_same_global_batches(const ChildRun& many, const ChildRun& one) {
+  const RankLog& single = one.logs[0];
+  ASSERT_FALSE(single.samples.empty());
+  for (std::size_t step = 0; step < single.samples.size(); ++step) {
+    std::vector<long> together;
+    for (const RankLog& rank : many.logs) {
+      ASSERT_LT(step, rank.samples.size());
+      EXPECT_EQ(rank.samples[step].first, single.samples[step].first);
+      together.insert(together.end(), rank.samples[step].second.begin(),
+                      rank.samples[step].second.end());
+    }
+    EXPECT_EQ(together, single.samples[step].second) << "step " << step + 1;
+  }
+}
+
+void expect_close_models(const std::string& a_path, const std::string& b_path, double tolerance) {
+  tp::StateDict a = tp::StateDict::from_container(tp::load_file(a_path));
+  tp::StateDict b = tp::StateDict::from_container(tp::load_file(b_path));
+  ASSERT_EQ(a.keys(), b.keys());
+  for (const std::string& key : a.keys()) {
+    double diff = (a.tensor(key) - b.tensor(key)).abs().max().item<double>();
+    EXPECT_LE(diff, tolerance) << key;
+  }
+}
+
+}  // namespace
+
+TEST(ShardedSampler, ProcessesSplitEveryGlobalBatchAndTheLastOneEvenly) {
+  // 10 samples, 3 processes of 2: global batches of 6, then 4 left: 2 each, the missing 2
+  // taken from the start of the epoch's order.
+  std::vector<tp::ResumableSampler> samplers;
+  for (int r = 0; r < 3; ++r) {
+    samplers.emplace_back(10, /*shuffle=*/true, /*seed=*/3);
+    samplers.back().shard(r, 3);
+    samplers.back().reset();
+  }
+  std::vector<std::size_t> order = samplers[0].order_of(0);
+  std::vector<std::size_t> first, second;
+  for (int r = 0; r < 3; ++r) {
+    auto a = samplers[r].next(2);
+    auto b = samplers[r].next(2);
+    ASSERT_TRUE(a && b);
+    EXPECT_EQ(a->size(), 2u);
+    EXPECT_EQ(b->size(), 2u);
+    first.insert(first.end(), a->begin(), a->end());
+    second.insert(second.end(), b->begin(), b->end());
+    EXPECT_FALSE(samplers[r].next(2));
+  }
+  EXPECT_EQ(first, std::vector<std::size_t>(order.begin(), order.begin() + 6));
+  EXPECT_EQ(second,
+            (std::vector<std::size_t>{order[6], order[7], order[8], order[9], order[0], order[1]}));
+  // The position is global: one batch of 2 on each of 3 processes is 6 samples.
+  samplers[1].consume(2);
+  EXPECT_EQ(samplers[1].samples_consumed(), 6u);
+  EXPECT_THROW(samplers[0].shard(3, 3), tp::Error);
+}
+
+TEST(ShardedSampler, APositionSavedByFourProcessesContinuesOnTwo) {
+  tp::ResumableSampler four(16, true, 9), two(16, true, 9);
+  four.shard(1, 4);
+  four.reset();
+  four.next(2);
+  four.consume(2);  // one step of 4 processes of 2: 8 samples
+  two.shard(0, 2);
+  two.load_state_dict(four.state_dict());
+  two.reset();
+  auto batch = two.next(2);
+  ASSERT_TRUE(batch);
+  std::vector<std::size_t> order = two.order_of(0);
+  EXPECT_EQ(*batch, (std::vector<std::size_t>{order[8], order[9]}));
+}
+
+TEST(ProcessGroupOptions, ReadsTorchrunsEnvironmentAndRefusesNonsense) {
+  ::unsetenv("WORLD_SIZE");
+  EXPECT_FALSE(tp::ProcessGroupOptions::from_environment());
+  ::setenv("WORLD_SIZE", "4", 1);
+  ::setenv("RANK", "2", 1);
+  ::setenv("LOCAL_RANK", "0", 1);
+  ::setenv("LOCAL_WORLD_SIZE", "2", 1);
+  ::setenv("MASTER_ADDR", "10.0.0.7", 1);
+  ::setenv("MASTER_PORT", "29611", 1);
+  ::setenv("TORCHELASTIC_RESTART_COUNT", "3", 1);
+  ::setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);
+  auto o = tp::ProcessGroupOptions::from_environment();
+  ASSERT_TRUE(o);
+  EXPECT_EQ(o->world_size(), 4);
+  EXPECT_EQ(o->rank(), 2);
+  EXPECT_EQ(o->local_world_size(), 2);
+  EXPECT_EQ(o->master_addr(), "10.0.0.7");
+  EXPECT_EQ(o->master_port(), 29611);
+  EXPECT_EQ(o->restart_count(), 3);
+  EXPECT_TRUE(o->use_agent_store());
+  ::setenv("RANK", "4", 1);
+  tt::expect_error([] { tp::ProcessGroupOptions::from_environment(); },
+                   tp::ErrorCode::InvalidArgument, {"RANK=4", "[0, 3]"});
+  ::setenv("RANK", "1", 1);
+  ::setenv("MASTER_PORT", "http", 1);
+  tt::expect_error([] { tp::ProcessGroupOptions::from_environment(); },
+                   tp::ErrorCode::InvalidArgument, {"MASTER_PORT=http"});
+  for (const char* v :
+       {"WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+        "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE"}) {
+    ::unsetenv(v);
+  }
+}
+
+// Parameters equal on every rank after every step; equal to the one-process run on the same
+// global batches within 1e-6 (float32, summed in another order: measured at most a few 1e-8).
+TEST(DistributedAccelerator, TwoAndFourProcessesStayIdenticalAndMatchOneProcess) {
+  tt::TempDir dir;
+  for (int world : {2, 4}) {
+    std::string sub = dir.path() + "/w" + std::to_string(world);
+    std::string one_sub = sub + "-one";
+    std::filesystem::create_directories(sub);
+    std::filesystem::create_directories(one_sub);
+    ChildRun many = run_child(sub, "log", world, "none");
+    ASSERT_EQ(many.status, 0) << many.output;
+    ChildRun one = run_child(one_sub, "log", 0, "none", 16 * world);
+    ASSERT_EQ(one.status, 0) << one.output;
+    ASSERT_EQ(many.logs[0].steps.size(), 192u / (16 * world) * 3);
+    for (int r = 1; r < world; ++r) {
+      EXPECT_EQ(many.logs[r].steps, many.logs[0].steps) << "rank " << r;
+    }
+    expect_same_global_batches(many, one);
+    expect_close_models(sub + "/log.model.safetensors", one_sub + "/log.model.safetensors", 1e-6);
+    // One checkpoint directory, with every rank's RNG file, that the library verifies.
+    // Saves every 4 steps, total_limit 3.
+    std::vector<std::string> names = committed(sub);
+    ASSERT_EQ(names.size(), std::min<std::size_t>(3, many.logs[0].steps.size() / 4));
+    for (const std::string& name : names) {
+      std::string path = sub + "/project/checkpoints/" + name;
+      EXPECT_TRUE(tp::verify(path).ok()) << path;
+      for (int r = 0; r < world; ++r) {
+        EXPECT_TRUE(
+            std::filesystem::exists(fmt::format("{}/random_states_{}.safetensors", path, r)));
+      }
+    }
+  }
+}
+
+// SIGKILL of one process at 24 seeded random moments (after a step, or before a file-system call
+// inside a save, on either rank); torchrun restarts the pair; each run ends bit-identical to the
+// uninterrupted run, no committed checkpoint ever lacks a file, and `torchpoint verify` accepts
+// every committed one.
+TEST(DistributedAccelerator, KilledAtSeededRandomMomentsResumesBitIdentically) {
+  tt::TempDir dir;
+  ChildRun reference = run_child(dir.path(), "reference", 2, "none");
+  ASSERT_EQ(reference.status, 0) << reference.output;
+  const std::map<long, std::string> steps = last_digest_by_step(reference.logs[0]);
+  // File-system calls of each save on each rank, to aim kills inside them.
+  std::vector<std::vector<long>> ops(2);
+  for (int r = 0; r < 2; ++r) {
+    for (const std::string& line : reference.logs[r].other.at("save_ops")) {
+      ops[r].push_back(std::stol(line.substr(line.find(' ') + 1)));
+    }
+    ASSERT_EQ(ops[r].size(), 4u);
+  }
+
+  std::mt19937 rng(20261201);
+  int inside_saves = 0;
+  for (int i = 0; i < 24; ++i) {
+    const int rank = static_cast<int>(rng() % 2);
+    std::string plan;
+    if (i % 2 == 0) {
+      plan = fmt::format("kill:{}:step:{}", rank, 1 + rng() % 17);
+    } else {
+      const long save = 1 + static_cast<long>(rng() % 4);
+      const long op = 1 + static_cast<long>(rng() % ops[rank][save - 1]);
+      plan = fmt::format("kill:{}:save:{}:op:{}", rank, save, op);
+      ++inside_saves;
+    }
+    SCOPED_TRACE(plan);
+    std::string sub = dir.path() + "/" + std::to_string(i);
+    std::filesystem::create_directories(sub);
+    ChildRun run = run_child(sub, "log", 2, plan);
+    ASSERT_EQ(run.status, 0) << run.output;
+    // Killed once, restarted once: rank 0 checked the checkpoints twice and found none torn.
+    EXPECT_EQ(run.logs[0].other["checked"].size(), 2u);
+    EXPECT_TRUE(run.logs[0].other["bad"].empty()) << run.logs[0].other["bad"][0];
+    for (int r = 0; r < 2; ++r) {
+      for (const auto& [step, digest] : run.logs[r].steps) {
+        EXPECT_EQ(digest, steps.at(step)) << "rank " << r << " step " << step;
+      }
+      EXPECT_EQ(last_digest_by_step(run.logs[r]), steps);
+      EXPECT_EQ(run.logs[r].other["final"], reference.logs[r].other["final"]) << "rank " << r;
+    }
+    for (const std::string& name : committed(sub)) {
+      std::string path = sub + "/project/checkpoints/" + name;
+      std::string out = sub + "/verify.out";
+      int status =
+          std::system(fmt::format("{} verify {} > {} 2>&1", TORCHPOINT_CLI, path, out).c_str());
+      EXPECT_EQ(status, 0) << tt::read_bytes(out);
+    }
+  }
+  EXPECT_EQ(inside_saves, 12);
+}
+
+// A write that fails on one rank only (ENOSPC from the fault-injecting Env) makes save_state()
+// throw on every rank, with nothing committed and no temporary left; the run goes on and its next
+// saves work.
+TEST(DistributedAccelerator, AWriteFailingOnOneRankCommitsNothing) {
+  tt::TempDir dir;
+  ChildRun reference = run_child(dir.path(), "reference", 2, "none");
+  ASSERT_EQ(reference.status, 0) << reference.output;
+  for (int failing : {1, 0}) {
+    SCOPED_TRACE(failing);
+    std::string sub = dir.path() + "/fail" + std::to_string(failing);
+    std::filesystem::create_directories(sub);
+    ChildRun run = run_child(sub, "log", 2, fmt::format("fail:{}:save:2", failing), 16, 0);
+    ASSERT_EQ(run.status, 0) << run.output;
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_EQ(run.logs[r].other["save_failed"].size(), 1u) << "rank " << r;
+      const std::string& message = run.logs[r].other["save_failed"][0];
+      if (r == failing) {
+        EXPECT_NE(message.find("No space left on device"), std::string::npos) << message;
+      } else {
+        EXPECT_NE(message.find(fmt::format("rank {}:", failing)), std::string::npos) << message;
+        EXPECT_NE(message.find("nothing was committed"), std::string::npos) << message;
+      }
+      // Training is not affected by a failed save.
+      EXPECT_EQ(run.logs[r].other["final"], reference.logs[r].other["final"]);
+    }
+    // Saves at steps 4, 8 (failed, its number unused), 12 and 16; total_limit 3.
+    EXPECT_EQ(committed(sub),
+              (std::vector<std::string>{"checkpoint_0", "checkpoint_2", "checkpoint_3"}));
+  }
+}
+
+// 4 -> 2 and 2 -> 4 processes: the epoch in progress continues with every sample exactly once.
+TEST(DistributedAccelerator, ResumesOnAnotherNumberOfProcessesWithoutRepeatingOrSkipping) {
+  tt::TempDir dir;
+  for (auto [before, after, stop] : {std::tuple{4, 2, 4}, std::tuple{2, 4, 8}}) {
+    SCOPED_TRACE(fmt::format("{} -> {}", before, after));
+    std::string sub = dir.path() + fmt::format("/{}to{}", before, after);
+    std::filesystem::create_directories(sub);
+    ChildRun first = run_child(sub, "first", before, fmt::format("stop:step:{}", stop), 16, 0);
+    ASSERT_EQ(first.status, 0) << first.output;
+    ChildRun second = run_child(sub, "second", after, "none", 16, 0);
+    ASSERT_EQ(second.status, 0) << second.output;
+    ASSERT_EQ(second.logs[0].other["resumed"].size(), 1u);
+    EXPECT_NE(second.logs[0].other["resumed"][0].find(" " + std::to_string(before)),
+              std::string::npos);
+    EXPECT_NE(second.output.find(
+                  fmt::format("saved by {} process(es) and is loaded by {}", before, after)),
+              std::string::npos)
+        << second.output;
+    // Epoch 1 was cut: what both runs consumed of it is every sample once; epoch 2 too.
+    std::map<long, std::multiset<long>> seen;
+    for (const ChildRun* run : {&first, &second}) {
+      for (const RankLog& log : run->logs) {
+        for (const auto& [epoch, indices] : log.samples)
+          seen[epoch].insert(indices.begin(), indices.end());
+      }
+    }
+    for (long epoch : {0L, 1L, 2L}) {
+      std::multiset<long> all;
+      for (long i = 0; i < 192; ++i) all.insert(i);
+      EXPECT_EQ(seen[epoch], all) << "epoch " << epoch;
+    }
+  }
+}
+
+// A rank that hangs (in a step, or before writing its part of a checkpoint) makes the others
+// fail within the group's timeout (TORCHPOINT_PROCESS_TIMEOUT=3 s), naming it.
+TEST(DistributedAccelerator, AHungRankMakesTheOthersFailInTimeNamingIt) {
+  tt::TempDir dir;
+  for (std::string plan : {"hang:1:step:3", "hang:1:save:2"}) {
+    SCOPED_TRACE(plan);
+    std::string sub = dir.path() + "/" + plan.substr(5, 4);
+    std::filesystem::create_directories(sub);
+    auto start = std::chrono::steady_clock::now();
+    ChildRun run = run_child(sub, "log", 2, plan, 16, 0, "TORCHPOINT_PROCESS_TIMEOUT=3");
+    double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_NE(run.status, 0);
+    ASSERT_EQ(run.logs[0].other["error"].size(), 1u) << run.output;
+    const std::string& message = run.logs[0].other["error"][0];
+    EXPECT_NE(message.find("rank 1"), std::string::npos) << message;
+    EXPECT_NE(message.find("3000 ms"), std::string::npos) << message;
+    // The hung rank sleeps 600 s: the pair ended because rank 0 gave up on it.
+    EXPECT_LT(seconds, 120) << message;
+  }
+}
