@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include "torchpoint/error.h"
+
 namespace torchpoint {
 
 // Who this process is and where the group meets. from_environment() reads torchrun's variables;

@@ -16,6 +16,7 @@
 #include "torchpoint/lr_scheduler.h"
 #include "torchpoint/module_state.h"
 #include "torchpoint/optimizer_state.h"
+#include "torchpoint/process_group.h"
 #include "torchpoint/records_plot.h"
 #include "torchpoint/retention.h"
 #include "torchpoint/rng_state.h"
