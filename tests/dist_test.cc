@@ -392,3 +392,35 @@ TEST(DistributedAccelerator, AHungRankMakesTheOthersFailInTimeNamingIt) {
     EXPECT_LT(seconds, 120) << message;
   }
 }
+
+// The CLI knows a checkpoint of several processes: `verify` refuses one whose manifest lacks a
+// rank's RNG file (a valid manifest otherwise), `ls` and `show` give the number of processes.
+TEST(DistributedCli, VerifyNamesAMissingRanksFileAndLsShowsTheProcesses) {
+  tt::TempDir dir;
+  tp::StateDict rng;
+  rng.set("seed", static_cast<std::uint64_t>(3));
+  tp::CheckpointInfo info;
+  info.metadata = {{"accelerator", {{"world_size", 2}}}};
+  std::string path = dir.path() + "/checkpoints/checkpoint_0";
+  tp::save_directory(path,
+                     {{"model", tp::Container{{{"w", at::ones({2})}}, tp::Json::object()}},
+                      {"random_states_0", rng.to_container()}},
+                     info);
+  auto run = [&](const std::string& args) {
+    std::string out = dir.path() + "/cli.out";
+    int status = std::system(fmt::format("{} {} > {} 2>&1", TORCHPOINT_CLI, args, out).c_str());
+    return std::pair{status, tt::read_bytes(out)};
+  };
+  auto [status, output] = run("verify " + path);
+  EXPECT_NE(status, 0) << output;
+  EXPECT_NE(output.find("written by 2 processes, but the manifest lists no random_states_1"),
+            std::string::npos)
+      << output;
+  auto [ls_status, ls] = run("ls --json " + dir.path() + "/checkpoints");
+  EXPECT_EQ(ls_status, 0) << ls;
+  EXPECT_EQ(tp::Json::parse(ls)["checkpoints"][0]["processes"], 2) << ls;
+  auto [show_status, show] = run("show " + path);
+  EXPECT_EQ(show_status, 0) << show;
+  EXPECT_NE(show.find("processes  2"), std::string::npos) << show;
+  EXPECT_NE(show.find("random_states_0.safetensors, 248 bytes, rank 0"), std::string::npos) << show;
+}

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <fstream>
+#include <set>
 
 #include "checkpoint/file_metadata.h"
 #include "format/container.h"
@@ -159,6 +160,45 @@ CheckpointView open_checkpoint(const std::string& path) {
     throw Error(ErrorCode::NotFound, fmt::format("{} does not exist", path));
   }
   return info.is_directory ? open_directory(env, path) : open_file(env, path);
+}
+
+int world_size_of(const Json& metadata) {
+  if (!metadata.is_object()) return 1;
+  auto acc = metadata.find("accelerator");
+  if (acc == metadata.end() || !acc->is_object()) return 1;
+  auto world = acc->find("world_size");
+  return world != acc->end() && world->is_number_integer() ? world->get<int>() : 1;
+}
+
+std::vector<std::string> missing_rank_files(const std::string& path) {
+  Env& env = Env::posix();
+  std::string manifest_path = path + "/manifest.json";
+  if (!env.stat(path).is_directory || !env.stat(manifest_path).is_regular) return {};
+  Manifest manifest;
+  try {
+    std::unique_ptr<File> file = env.open(manifest_path, OpenMode::Read);
+    if (file->size() > kMaxManifestSize) return {};
+    std::string bytes(file->size(), '\0');
+    file->read_exact(bytes.data(), bytes.size(), 0);
+    Problems throwing;
+    manifest = parse_manifest(bytes, manifest_path, throwing);
+  } catch (const std::exception&) {
+    return {};  // verify() names what is wrong with the manifest itself
+  }
+  const int world = world_size_of(manifest.info.metadata);
+  std::set<std::string> listed;
+  for (const ManifestFile& f : manifest.files) listed.insert(f.component);
+  std::vector<std::string> problems;
+  for (int r = 0; r < world; ++r) {
+    std::string name = fmt::format("random_states_{}", r);
+    if (!listed.count(name)) {
+      problems.push_back(
+          fmt::format("{}: written by {} processes, but the manifest lists no {} "
+                      "(the RNG states of rank {})",
+                      path, world, name, r));
+    }
+  }
+  return problems;
 }
 
 const ComponentView* find_component(const CheckpointView& view, const std::string& name) {

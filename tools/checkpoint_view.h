@@ -45,6 +45,14 @@ struct CheckpointView {
 // checkpoints), Corruption for damaged files, Incompatible for a newer format.
 CheckpointView open_checkpoint(const std::string& path);
 
+// The number of processes that wrote a directory checkpoint (the manifest's
+// metadata.accelerator.world_size; 1 when absent), from its metadata.
+int world_size_of(const Json& metadata);
+// What a directory checkpoint's manifest at `path` lacks for the processes that wrote it: one
+// problem per rank whose random_states_<rank> file it does not list. Empty when complete, and for
+// anything that is not a readable directory checkpoint (verify reports those).
+std::vector<std::string> missing_rank_files(const std::string& path);
+
 // The component named `name`, or nullptr.
 const ComponentView* find_component(const CheckpointView& view, const std::string& name);
 // "model, optimizer, records" (the top-level component shows as "(top level)").

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 
+#include "checkpoint_view.h"
 #include "commands.h"
 #include "output.h"
 #include "torchpoint/checkpoint_manager.h"
@@ -35,6 +36,7 @@ Json to_json(const CheckpointListing& listing) {
         {"kind", e.is_directory ? "directory" : "file"},
         {"number", e.number ? Json(*e.number) : Json(nullptr)},
         {"step", e.step ? Json(*e.step) : Json(nullptr)},
+        {"processes", e.is_directory ? Json(world_size_of(e.metadata)) : Json(nullptr)},
         {"size_bytes", e.size_bytes},
         {"modified_unix_ms", e.commit_time_ms},
         {"modified", iso_time(e.commit_time_ms)},
@@ -62,10 +64,12 @@ int run_ls(const LsOptions& options, std::ostream& out) {
   out << fmt::format(
       "checkpoints in {} (* = the latest valid one, which loading the latest picks)\n",
       listing.dir);
-  Table table({" ", "NAME", "NUMBER", "STEP", "SIZE", "MODIFIED (UTC)", "METRICS", "STATUS"});
+  Table table(
+      {" ", "NAME", "NUMBER", "STEP", "PROCS", "SIZE", "MODIFIED (UTC)", "METRICS", "STATUS"});
   for (const ListedCheckpoint& e : listing.entries) {
     table.add({e.latest ? "*" : " ", e.name + (e.is_directory ? "/" : ""),
                e.number ? std::to_string(*e.number) : "-", e.step ? std::to_string(*e.step) : "-",
+               e.is_directory ? std::to_string(world_size_of(e.metadata)) : "-",
                std::to_string(e.size_bytes), iso_time(e.commit_time_ms), metrics_text(e),
                checkpoint_status_name(e.status)});
   }

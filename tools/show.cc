@@ -14,6 +14,18 @@ std::string optional_text(const std::optional<std::int64_t>& v) {
 
 Json optional_json(const std::optional<std::int64_t>& v) { return v ? Json(*v) : Json(nullptr); }
 
+// The process that wrote a per-process component (random_states_<rank>), if it is one.
+std::optional<int> rank_of(const std::string& component) {
+  const std::string prefix = "random_states_";
+  if (!component.starts_with(prefix) || component.size() == prefix.size() ||
+      component.size() > prefix.size() + 6) {
+    return std::nullopt;
+  }
+  std::string digits = component.substr(prefix.size());
+  if (digits.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
+  return std::stoi(digits);
+}
+
 // The JSON (non-tensor) entries of a component, as one object.
 Json json_values(const ComponentView& c) {
   Json values = Json::object();
@@ -37,6 +49,7 @@ Json to_json(const CheckpointView& view, const std::vector<RecordSeries>& record
                          {"bytes", tensor_bytes(t)}});
     }
     Json component = {{"name", c.name}};
+    if (auto rank = rank_of(c.name)) component["rank"] = *rank;
     if (view.is_directory) {
       component["file"] = c.file;
       component["size_bytes"] = c.file_size;
@@ -67,6 +80,7 @@ Json to_json(const CheckpointView& view, const std::vector<RecordSeries>& record
        {{"format", view.format_version},
         {"torchpoint", view.torchpoint_version},
         {"libtorch", view.libtorch_version}}},
+      {"processes", view.is_directory ? Json(world_size_of(view.metadata)) : Json(nullptr)},
       {"metadata", view.metadata},
       {"components", components},
       {"records", series},
@@ -94,14 +108,22 @@ int run_show(const ShowOptions& options, std::ostream& out) {
   summary.add({"versions",
                fmt::format("format {}, torchpoint {}, LibTorch {}", or_dash(view.format_version),
                            or_dash(view.torchpoint_version), or_dash(view.libtorch_version))});
-  if (view.is_directory) summary.add({"metadata", view.metadata.dump()});
+  if (view.is_directory) {
+    int world = world_size_of(view.metadata);
+    summary.add({"processes", world == 1 ? "1"
+                                         : fmt::format("{} (random_states_0 .. {} are each "
+                                                       "one process's RNG states)",
+                                                       world, world - 1)});
+    summary.add({"metadata", view.metadata.dump()});
+  }
   summary.print(out, "  ");
 
   for (const ComponentView& c : view.components) {
     std::string title = c.name.empty() ? "(top level)" : c.name;
     out << '\n'
         << (view.is_directory
-                ? fmt::format("component {} ({}, {} bytes)\n", title, c.file, c.file_size)
+                ? fmt::format("component {} ({}, {} bytes{})\n", title, c.file, c.file_size,
+                              rank_of(c.name) ? fmt::format(", rank {}", *rank_of(c.name)) : "")
             : c.name.empty() ? fmt::format("component {} (keys without a dot)\n", title)
                              : fmt::format("component {} (keys {}.*)\n", title, c.name));
     Table tensors({"TENSOR", "DTYPE", "SHAPE", "BYTES"});

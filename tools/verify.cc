@@ -1,6 +1,7 @@
 // torchpoint verify PATH...: every problem of every checkpoint named.
 #include <fmt/format.h>
 
+#include "checkpoint_view.h"
 #include "commands.h"
 #include "output.h"
 #include "torchpoint/env.h"
@@ -23,6 +24,8 @@ int run_verify(const VerifyOptions& options, std::ostream& out, std::ostream& er
       continue;
     }
     VerifyReport report = verify(path);
+    // A checkpoint of several processes holds every rank's RNG states.
+    for (std::string& p : missing_rank_files(path)) report.add(std::move(p), ErrorCode::Corruption);
     results.push_back({{"path", path}, {"ok", report.ok()}, {"problems", report.problems}});
     if (report.ok()) {
       ++valid;
