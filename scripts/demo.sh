@@ -7,9 +7,12 @@
 #      interrupt, model_checkpoint, load_checkpoint, resume_from_checkpoint, callback state;
 #      writes the plot of the records to build/demo-run/luz/auto_resume.png (and .svg) and
 #      TensorBoard event files to build/demo-run/luz/logs.
+#   4. accelerate_torchrun: Accelerate's loop on 2 processes under torchrun, once uninterrupted
+#      and once with rank 1 killed (SIGKILL) mid-epoch and the pair restarted by torchrun
+#      (--max-restarts 1): both end with the same weights, bit for bit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh torchpoint_demo accelerate_example luz_example
+scripts/setup.sh torchpoint_demo accelerate_example luz_example accelerate_torchrun torchpoint_cli
 rm -rf build/demo-run
 mkdir -p build/demo-run
 echo "== torchpoint_demo"
@@ -20,3 +23,25 @@ echo "== accelerate_example (Accelerate's checkpointing guide, in C++)"
 echo
 echo "== luz_example (luz's guide to saving model snapshots, in C++)"
 ./build/examples/luz_example build/demo-run
+echo
+echo "== accelerate_torchrun (the same loop on 2 processes, torchrun restarting a killed one)"
+python=$(scripts/venv.sh)
+torchrun=("$python" -m torch.distributed.run --standalone --nproc-per-node 2)
+export OMP_NUM_THREADS=1
+mkdir -p build/demo-run/torchrun
+# torchrun's own messages (its agent's warnings, the killed worker's report) go to a log.
+echo "-- uninterrupted:"
+"${torchrun[@]}" --no-python ./build/examples/accelerate_torchrun build/demo-run/torchrun/uninterrupted \
+  2>build/demo-run/torchrun/uninterrupted.log
+echo "-- rank 1 killed after step 80, restarted by torchrun:"
+"${torchrun[@]}" --max-restarts 1 --no-python ./build/examples/accelerate_torchrun \
+  build/demo-run/torchrun/killed 80 2>build/demo-run/torchrun/killed.log
+grep -h "killing itself" build/demo-run/torchrun/killed.log || true
+if ./build/tools/torchpoint diff build/demo-run/torchrun/uninterrupted/final_model.safetensors \
+  build/demo-run/torchrun/killed/final_model.safetensors >/dev/null; then
+  echo "  [ok] the killed and restarted pair ends with the uninterrupted pair's weights, bit for bit"
+else
+  echo "  [FAILED] the killed and restarted pair's weights differ from the uninterrupted pair's"
+  exit 1
+fi
+./build/tools/torchpoint ls build/demo-run/torchrun/killed/checkpoints
