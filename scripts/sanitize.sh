@@ -38,7 +38,7 @@ fi
 tests=(storage_test fault_test crash_test state_test interop_test retention_test accelerator_test
   learner_test)
 fuzzers=(container_fuzz manifest_fuzz filename_fuzz torch_zip_fuzz)
-/usr/bin/cmake --build build-san --target "${tests[@]}" "${fuzzers[@]}" torchpoint_cli
+/usr/bin/cmake --build build-san --target "${tests[@]}" "${fuzzers[@]}" torchpoint_cli dist_child
 
 # LibTorch is not instrumented: the only leak reported inside it is suppressed (see the file).
 export ASAN_OPTIONS=strict_string_checks=1:check_initialization_order=1
@@ -81,8 +81,10 @@ run_all \
   "state_test|build-san/tests/state_test && build-san/tests/interop_test && build-san/tests/retention_test" \
   "accelerator_test|build-san/tests/accelerator_test" \
   "learner_test|build-san/tests/learner_test" \
+  "dist_pair|tests/run_pair.sh build-san/tests/dist_child build-san/pair" \
   "consumer|/usr/bin/ctest --test-dir build-san -R consumer_find_package --output-on-failure"
-echo "sanitize: tests passed under ASan+UBSan (${tests[*]}) in $((SECONDS - start)) s"
+echo "sanitize: tests passed under ASan+UBSan (${tests[*]}, 2 processes on c10d) in" \
+  "$((SECONDS - start)) s"
 
 # Each fuzzer first runs every committed input, then mutates for fuzz_seconds. New inputs go to
 # build-san/fuzz-corpus, crashes to build-san/fuzz-artifacts. One allocation over 64 MiB

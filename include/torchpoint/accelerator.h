@@ -444,15 +444,6 @@ class Accelerator {
   // The sampler of a prepared loader: sharded over the processes.
   void add_sampler(AnyStateful sampler, ResumableSampler& shardable);
   std::string save_state_distributed(const std::string& output_dir, bool overwrite);
-  // A key for one exchange between the processes, the same on every process.
-  std::string next_exchange(const char* what);
-  // The main process runs `fn` and every process gets its result; when `fn` throws, the main
-  // process rethrows and every other throws an Error saying so (same code).
-  std::string decided_by_main(const std::string& key, const std::function<std::string()>& fn,
-                              const std::string& what);
-  // Every process says whether its part succeeded (`failure` null); when any failed, every
-  // process throws: its own error, or one naming the processes that failed and why.
-  void agree(const std::string& key, const std::exception_ptr& failure, const std::string& what);
   // Watches the optimizer's first trainable parameter: a hook on it counts backward passes
   // that did not go through backward(), and its gradient shows when gradients were cleared.
   void watch(torch::optim::Optimizer& optimizer);
@@ -475,7 +466,6 @@ class Accelerator {
   std::shared_ptr<ProcessGroup> group_;
   std::vector<std::shared_ptr<torch::nn::Module>> models_;
   bool no_sync_ = false;
-  std::uint64_t exchanges_ = 0;  // exchanges between the processes so far (the same everywhere)
   std::vector<Component> components_;
   GradScaler* scaler_ = nullptr;
   RngState rng_;

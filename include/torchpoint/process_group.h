@@ -14,6 +14,8 @@
 
 #include <chrono>
 #include <cstdint>
+#include <exception>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -94,18 +96,31 @@ class ProcessGroup {
   std::vector<at::Tensor> allgather(const at::Tensor& tensor,
                                     const std::string& what = "an allgather");
 
+  // Many tensors at once, in flat buckets (up to 25 MiB of one dtype, one collective each).
+  // Every rank's tensors get root's values (prepare(model): rank 0's parameters).
+  void broadcast_tensors(const std::vector<at::Tensor>& tensors, int root, const std::string& what);
+  // Each tensor becomes its mean over the ranks, in place (gradients).
+  void average_tensors(const std::vector<at::Tensor>& tensors, const std::string& what);
+
   // Small messages through the store, for agreeing on what to do (paths, file lists, verdicts).
-  // `key` names one exchange and is used once per run (a counter in it keeps it unique).
+  // Like the collectives, every rank makes the same calls in the same order.
   // Root's `value` to every rank (the others' `value` is ignored).
-  std::string broadcast_string(const std::string& key, const std::string& value, int root,
-                               const std::string& what);
+  std::string broadcast_string(const std::string& value, int root, const std::string& what);
   // Every rank's value, in rank order, on every rank.
-  std::vector<std::string> allgather_strings(const std::string& key, const std::string& value,
-                                             const std::string& what);
+  std::vector<std::string> allgather_strings(const std::string& value, const std::string& what);
   // Every rank's value, in rank order, on `root`; the other ranks get an empty vector and do not
   // wait.
-  std::vector<std::string> gather_strings(const std::string& key, const std::string& value,
-                                          int root, const std::string& what);
+  std::vector<std::string> gather_strings(const std::string& value, int root,
+                                          const std::string& what);
+  // For a step done by the main process on behalf of all (open a checkpoint, commit it, choose
+  // one to load): rank 0 runs `fn` and every rank returns its result. When `fn` throws, rank 0
+  // rethrows and every other rank throws an Error of the same code saying so. `fn` may make
+  // exchanges of its own that the other ranks make before calling this.
+  std::string decided_by_main(const std::function<std::string()>& fn, const std::string& what);
+  // For a step every rank does its part of (verify a checkpoint before anything changes): each
+  // rank says whether its part succeeded (`failure` null). When any failed, every rank throws:
+  // its own error, or one naming the ranks that failed and why.
+  void agree(const std::exception_ptr& failure, const std::string& what);
 
   struct Impl;
 
@@ -117,10 +132,13 @@ class ProcessGroup {
                                       const std::exception& cause);
   std::vector<std::string> wait_for_keys(const std::vector<std::string>& keys,
                                          const std::vector<int>& ranks, const std::string& what);
+  // The store key of the next exchange: the same on every rank, as they make the same calls.
+  std::string next_key();
 
   ProcessGroupOptions options_;
   std::unique_ptr<Impl> impl_;
   std::uint64_t collectives_ = 0;
+  std::uint64_t exchanges_ = 0;
 };
 
 }  // namespace torchpoint

@@ -3,6 +3,9 @@
 
 #include <fmt/format.h>
 
+#include <ATen/ops/cat.h>
+#include <nlohmann/json.hpp>
+
 #include <cstdlib>
 #include <mutex>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -259,9 +262,11 @@ std::vector<std::string> ProcessGroup::wait_for_keys(const std::vector<std::stri
   return values;
 }
 
-std::string ProcessGroup::broadcast_string(const std::string& key, const std::string& value,
-                                           int root, const std::string& what) {
-  std::string k = fmt::format("msg/{}/{}", key, root);
+std::string ProcessGroup::next_key() { return fmt::format("msg/{}", ++exchanges_); }
+
+std::string ProcessGroup::broadcast_string(const std::string& value, int root,
+                                           const std::string& what) {
+  std::string k = next_key();
   if (rank() == root) {
     impl_->store->set(k, bytes_of(value));
     return value;
@@ -269,37 +274,148 @@ std::string ProcessGroup::broadcast_string(const std::string& key, const std::st
   return wait_for_keys({k}, {root}, what)[0];
 }
 
-std::vector<std::string> ProcessGroup::allgather_strings(const std::string& key,
-                                                         const std::string& value,
+std::vector<std::string> ProcessGroup::allgather_strings(const std::string& value,
                                                          const std::string& what) {
-  impl_->store->set(fmt::format("msg/{}/{}", key, rank()), bytes_of(value));
+  std::string k = next_key();
+  impl_->store->set(fmt::format("{}/{}", k, rank()), bytes_of(value));
   std::vector<std::string> keys;
   std::vector<int> ranks;
   for (int r = 0; r < size(); ++r) {
-    keys.push_back(fmt::format("msg/{}/{}", key, r));
+    keys.push_back(fmt::format("{}/{}", k, r));
     ranks.push_back(r);
   }
   return wait_for_keys(keys, ranks, what);
 }
 
-std::vector<std::string> ProcessGroup::gather_strings(const std::string& key,
-                                                      const std::string& value, int root,
+std::vector<std::string> ProcessGroup::gather_strings(const std::string& value, int root,
                                                       const std::string& what) {
+  std::string k = next_key();
   if (rank() != root) {
-    impl_->store->set(fmt::format("msg/{}/{}", key, rank()), bytes_of(value));
+    impl_->store->set(fmt::format("{}/{}", k, rank()), bytes_of(value));
     return {};
   }
   std::vector<std::string> keys;
   std::vector<int> ranks;
   for (int r = 0; r < size(); ++r) {
     if (r == root) continue;
-    keys.push_back(fmt::format("msg/{}/{}", key, r));
+    keys.push_back(fmt::format("{}/{}", k, r));
     ranks.push_back(r);
   }
   std::vector<std::string> others = wait_for_keys(keys, ranks, what);
   std::vector<std::string> all;
   for (int r = 0, i = 0; r < size(); ++r) all.push_back(r == root ? value : others[i++]);
   return all;
+}
+
+namespace {
+
+ErrorCode error_code_named(const std::string& name) {
+  for (ErrorCode c : {ErrorCode::NotFound, ErrorCode::Corruption, ErrorCode::Incompatible,
+                      ErrorCode::IOError, ErrorCode::InvalidArgument, ErrorCode::Locked,
+                      ErrorCode::Unsupported}) {
+    if (name == error_code_name(c)) return c;
+  }
+  return ErrorCode::IOError;
+}
+
+// What one process tells the others about a step it took.
+nlohmann::json outcome_of(const std::exception_ptr& failure, const std::string& value = "") {
+  if (!failure) return {{"ok", true}, {"value", value}};
+  try {
+    std::rethrow_exception(failure);
+  } catch (const Error& e) {
+    return {{"ok", false}, {"code", error_code_name(e.code())}, {"message", e.what()}};
+  } catch (const std::exception& e) {
+    return {{"ok", false}, {"code", error_code_name(ErrorCode::IOError)}, {"message", e.what()}};
+  }
+  return {{"ok", false}, {"code", error_code_name(ErrorCode::IOError)}, {"message", "unknown"}};
+}
+
+// Calls `fn` on flat copies of `tensors` (consecutive ones of one dtype, up to 25 MiB at a time)
+// and copies what `fn` left in each flat tensor back into the tensors.
+void for_each_bucket(const std::vector<at::Tensor>& tensors,
+                     const std::function<void(at::Tensor&)>& fn) {
+  constexpr std::size_t kBucketBytes = 25 << 20;
+  at::NoGradGuard no_grad;
+  std::size_t i = 0;
+  while (i < tensors.size()) {
+    std::size_t end = i, bytes = 0;
+    std::vector<at::Tensor> parts;
+    while (end < tensors.size() && tensors[end].scalar_type() == tensors[i].scalar_type() &&
+           (end == i || bytes + tensors[end].nbytes() <= kBucketBytes)) {
+      bytes += tensors[end].nbytes();
+      parts.push_back(tensors[end].reshape({-1}));
+      ++end;
+    }
+    at::Tensor flat = at::cat(parts);
+    fn(flat);
+    std::int64_t offset = 0;
+    for (std::size_t k = i; k < end; ++k) {
+      std::int64_t n = tensors[k].numel();
+      tensors[k].copy_(flat.slice(0, offset, offset + n).view(tensors[k].sizes()));
+      offset += n;
+    }
+    i = end;
+  }
+}
+
+}  // namespace
+
+std::string ProcessGroup::decided_by_main(const std::function<std::string()>& fn,
+                                          const std::string& what) {
+  if (rank() == 0) {
+    std::string value;
+    std::exception_ptr failure;
+    try {
+      value = fn();
+    } catch (const std::exception&) {
+      failure = std::current_exception();
+    }
+    broadcast_string(outcome_of(failure, value).dump(), 0, what);
+    if (failure) std::rethrow_exception(failure);
+    return value;
+  }
+  nlohmann::json outcome = nlohmann::json::parse(broadcast_string("", 0, what));
+  if (!outcome.at("ok").get<bool>()) {
+    throw Error(error_code_named(outcome.at("code").get<std::string>()),
+                fmt::format("rank {}: {} failed on the main process (rank 0): {}", rank(), what,
+                            outcome.at("message").get<std::string>()));
+  }
+  return outcome.at("value").get<std::string>();
+}
+
+void ProcessGroup::agree(const std::exception_ptr& failure, const std::string& what) {
+  std::vector<std::string> outcomes = allgather_strings(outcome_of(failure).dump(), what);
+  std::string failed;
+  ErrorCode code = ErrorCode::IOError;
+  for (std::size_t r = 0; r < outcomes.size(); ++r) {
+    nlohmann::json outcome = nlohmann::json::parse(outcomes[r]);
+    if (outcome.at("ok").get<bool>()) continue;
+    if (failed.empty()) code = error_code_named(outcome.at("code").get<std::string>());
+    failed += fmt::format("{}rank {}: {}", failed.empty() ? "" : "; ", r,
+                          outcome.at("message").get<std::string>());
+  }
+  if (failed.empty()) return;
+  if (failure) std::rethrow_exception(failure);
+  throw Error(code, fmt::format("rank {}: {} failed on another process ({})", rank(), what,
+                                failed));
+}
+
+void ProcessGroup::broadcast_tensors(const std::vector<at::Tensor>& tensors, int root,
+                                     const std::string& what) {
+  for_each_bucket(tensors, [&](at::Tensor& flat) {
+    std::vector<at::Tensor> one{flat};
+    broadcast(one, root, what);
+  });
+}
+
+void ProcessGroup::average_tensors(const std::vector<at::Tensor>& tensors,
+                                   const std::string& what) {
+  const double world = size();
+  for_each_bucket(tensors, [&](at::Tensor& flat) {
+    allreduce(flat, ReduceOp::Sum, what);
+    flat.div_(world);
+  });
 }
 
 }  // namespace torchpoint

@@ -31,67 +31,13 @@ namespace {
 
 constexpr const char* kRandomStatesPrefix = "random_states_";
 constexpr const char* kCustomPrefix = "custom_checkpoint_";
-// Gradients and parameters travel between processes in flat buckets of at most this size.
-constexpr std::int64_t kBucketBytes = 25 << 20;
-
 // The RNG file of process `rank`.
 std::string random_states_name(int rank) { return fmt::format("{}{}", kRandomStatesPrefix, rank); }
-
-// Calls `fn` on flat copies of `tensors` (consecutive ones of one dtype, up to kBucketBytes at
-// a time) and copies what `fn` left in each flat tensor back into the tensors.
-void for_each_bucket(const std::vector<at::Tensor>& tensors,
-                     const std::function<void(at::Tensor&)>& fn) {
-  torch::NoGradGuard no_grad;
-  std::size_t i = 0;
-  while (i < tensors.size()) {
-    std::size_t end = i;
-    std::int64_t bytes = 0;
-    std::vector<at::Tensor> flat_parts;
-    while (end < tensors.size() && tensors[end].scalar_type() == tensors[i].scalar_type() &&
-           (end == i || bytes + tensors[end].nbytes() <= static_cast<std::size_t>(kBucketBytes))) {
-      bytes += static_cast<std::int64_t>(tensors[end].nbytes());
-      flat_parts.push_back(tensors[end].reshape({-1}));
-      ++end;
-    }
-    at::Tensor flat = at::cat(flat_parts);
-    fn(flat);
-    std::int64_t offset = 0;
-    for (std::size_t k = i; k < end; ++k) {
-      std::int64_t n = tensors[k].numel();
-      tensors[k].copy_(flat.slice(0, offset, offset + n).view(tensors[k].sizes()));
-      offset += n;
-    }
-    i = end;
-  }
-}
 
 std::string join_names(const std::vector<std::string>& names) {
   std::string out;
   for (const std::string& n : names) out += (out.empty() ? "" : ", ") + n;
   return out;
-}
-
-ErrorCode error_code_named(const std::string& name) {
-  for (ErrorCode c :
-       {ErrorCode::NotFound, ErrorCode::Corruption, ErrorCode::Incompatible, ErrorCode::IOError,
-        ErrorCode::InvalidArgument, ErrorCode::Locked, ErrorCode::Unsupported}) {
-    if (name == error_code_name(c)) return c;
-  }
-  return ErrorCode::IOError;
-}
-
-// What one process tells the others about a step it took: {"ok": true, "value": ...} or
-// {"ok": false, "code": ..., "message": ...}.
-Json outcome_of(const std::exception_ptr& failure, Json value = nullptr) {
-  if (!failure) return {{"ok", true}, {"value", std::move(value)}};
-  try {
-    std::rethrow_exception(failure);
-  } catch (const Error& e) {
-    return {{"ok", false}, {"code", error_code_name(e.code())}, {"message", e.what()}};
-  } catch (const std::exception& e) {
-    return {{"ok", false}, {"code", error_code_name(ErrorCode::IOError)}, {"message", e.what()}};
-  }
-  return {{"ok", false}, {"code", error_code_name(ErrorCode::IOError)}, {"message", "unknown"}};
 }
 
 // Whether `param` has a gradient with a non-zero value among its first 4096 elements (a bounded
@@ -258,10 +204,7 @@ void Accelerator::add_model(std::shared_ptr<torch::nn::Module> module) {
   // initialisation, or what it loaded).
   std::vector<at::Tensor> tensors = module->parameters();
   for (const at::Tensor& b : module->buffers()) tensors.push_back(b);
-  for_each_bucket(tensors, [this](at::Tensor& flat) {
-    std::vector<at::Tensor> one{flat};
-    group_->broadcast(one, 0, "prepare(model): the main process's parameters");
-  });
+  group_->broadcast_tensors(tensors, 0, "prepare(model): the main process's parameters");
 }
 
 void Accelerator::add_sampler(AnyStateful sampler, ResumableSampler& shardable) {
@@ -281,11 +224,7 @@ void Accelerator::average_gradients() {
       grads.push_back(p.grad());
     }
   }
-  const double world = group_->size();
-  for_each_bucket(grads, [this, world](at::Tensor& flat) {
-    group_->allreduce(flat, ProcessGroup::ReduceOp::Sum, "backward(): averaging the gradients");
-    flat.div_(world);
-  });
+  group_->average_tensors(grads, "backward(): averaging the gradients");
 }
 
 void Accelerator::wait_for_everyone() {
@@ -312,9 +251,6 @@ void Accelerator::print(const std::string& text) const {
   if (is_main_process()) std::cout << text << std::endl;
 }
 
-std::string Accelerator::next_exchange(const char* what) {
-  return fmt::format("accelerator/{}/{}", ++exchanges_, what);
-}
 
 std::vector<std::string> Accelerator::component_names() const {
   std::map<std::string, int> seen;
@@ -473,49 +409,6 @@ std::string Accelerator::save_state_with(const std::string& output_dir, bool ove
   return path;
 }
 
-std::string Accelerator::decided_by_main(const std::string& key,
-                                         const std::function<std::string()>& fn,
-                                         const std::string& what) {
-  if (group_->rank() == 0) {
-    std::string value;
-    std::exception_ptr failure;
-    try {
-      value = fn();
-    } catch (const std::exception&) {
-      failure = std::current_exception();
-    }
-    group_->broadcast_string(key, outcome_of(failure, value).dump(), 0, what);
-    if (failure) std::rethrow_exception(failure);
-    return value;
-  }
-  Json outcome = Json::parse(group_->broadcast_string(key, "", 0, what));
-  if (!outcome.at("ok").get<bool>()) {
-    throw Error(error_code_named(outcome.at("code").get<std::string>()),
-                fmt::format("rank {}: {} failed on the main process (rank 0): {}", group_->rank(),
-                            what, outcome.at("message").get<std::string>()));
-  }
-  return outcome.at("value").get<std::string>();
-}
-
-void Accelerator::agree(const std::string& key, const std::exception_ptr& failure,
-                        const std::string& what) {
-  std::vector<std::string> outcomes =
-      group_->allgather_strings(key, outcome_of(failure).dump(), what);
-  std::string failed;
-  ErrorCode code = ErrorCode::IOError;
-  for (std::size_t r = 0; r < outcomes.size(); ++r) {
-    Json outcome = Json::parse(outcomes[r]);
-    if (outcome.at("ok").get<bool>()) continue;
-    if (failed.empty()) code = error_code_named(outcome.at("code").get<std::string>());
-    failed += fmt::format("{}rank {}: {}", failed.empty() ? "" : "; ", r,
-                          outcome.at("message").get<std::string>());
-  }
-  if (failed.empty()) return;
-  if (failure) std::rethrow_exception(failure);
-  throw Error(code, fmt::format("rank {}: {} failed on another process ({})", group_->rank(), what,
-                                failed));
-}
-
 std::string Accelerator::save_state_distributed(const std::string& output_dir, bool overwrite) {
   const bool automatic = output_dir.empty() && config_.automatic_checkpoint_naming();
   if (output_dir.empty() && !automatic) {
@@ -525,7 +418,6 @@ std::string Accelerator::save_state_distributed(const std::string& output_dir, b
   }
   check_no_step_on_scaled_gradients(/*saving=*/true);
   warn_about_uncounted_backwards();
-  const std::string key = next_exchange("save_state");
   const int rank = group_->rank(), world = group_->size();
   const std::vector<std::string> names = component_names();
 
@@ -533,8 +425,7 @@ std::string Accelerator::save_state_distributed(const std::string& output_dir, b
   std::unique_ptr<DirectorySave> save;
   const std::string path =
       automatic ? join_path(checkpoints_dir(), checkpoint_name(config_.iteration())) : output_dir;
-  Json opened = Json::parse(decided_by_main(
-      key + "/open",
+  Json opened = Json::parse(group_->decided_by_main(
       [&] {
         std::vector<std::string> all = names;
         for (int r = 0; r < world; ++r) all.push_back(random_states_name(r));
@@ -553,8 +444,9 @@ std::string Accelerator::save_state_distributed(const std::string& output_dir, b
   if (automatic) config_.iteration(config_.iteration() + 1);
 
   // 2. Every process writes and fsyncs its own files there: the main process the components,
-  // each process its RNG states.
-  Json report;
+  // each process its RNG states. All succeed, or every process throws (and the main process's
+  // DirectorySave removes the temporary directory).
+  Json files = Json::array();
   std::exception_ptr failure;
   try {
     const std::string dir = opened.at("dir").get<std::string>();
@@ -565,65 +457,36 @@ std::string Accelerator::save_state_distributed(const std::string& output_dir, b
       }
     }
     mine.push_back({random_states_name(rank), rng_.state_dict().to_container()});
-    Json files = Json::array();
     for (const auto& c : mine) files.push_back(write_component(env_, dir, c).to_json());
-    report = files;
   } catch (const std::exception&) {
     failure = std::current_exception();
   }
+  group_->agree(failure, fmt::format("save_state() of {} (nothing was committed)", path));
 
-  // 3. The main process commits only once every process has reported its files written.
-  if (rank != 0) {
-    group_->gather_strings(key + "/files", outcome_of(failure, report).dump(), 0,
-                           "save_state(): sending this process's files");
-  }
-  std::exception_ptr commit_failure;
-  try {
-    decided_by_main(
-        key + "/commit",
-        [&]() -> std::string {
-          std::vector<std::string> reports =
-              group_->gather_strings(key + "/files", outcome_of(failure, report).dump(), 0,
-                                     "save_state(): waiting for every process's files");
-          std::vector<WrittenComponent> written;
-          std::string failed;
-          ErrorCode code = ErrorCode::IOError;
-          for (int r = 0; r < world; ++r) {
-            Json outcome = Json::parse(reports[static_cast<std::size_t>(r)]);
-            if (!outcome.at("ok").get<bool>()) {
-              if (failed.empty()) code = error_code_named(outcome.at("code").get<std::string>());
-              failed += fmt::format("{}rank {}: {}", failed.empty() ? "" : "; ", r,
-                                    outcome.at("message").get<std::string>());
-              continue;
-            }
-            for (const Json& f : outcome.at("value")) {
-              written.push_back(WrittenComponent::from_json(f, fmt::format("rank {}", r)));
-            }
+  // 3. The main process, holding every process's report of what it wrote (sizes and checksums),
+  // writes the manifest listing them all and commits.
+  std::vector<std::string> reports =
+      group_->gather_strings(files.dump(), 0, "save_state(): sending the files written");
+  group_->decided_by_main(
+      [&]() -> std::string {
+        std::vector<WrittenComponent> written;
+        for (int r = 0; r < world; ++r) {
+          for (const Json& f : Json::parse(reports[static_cast<std::size_t>(r)])) {
+            written.push_back(WrittenComponent::from_json(f, fmt::format("rank {}", r)));
           }
-          if (!failed.empty()) {
-            save.reset();  // removes the temporary directory and releases the lock
-            throw Error(code, fmt::format("nothing was committed at {}: a process could not "
-                                          "write its part ({})",
-                                          path, failed));
-          }
-          CheckpointInfo info;
-          info.step = step_;
-          info.iteration = config_.iteration() - (automatic ? 1 : 0);
-          info.metadata = {
-              {"accelerator", {{"step", step_}, {"components", names}, {"world_size", world}}}};
-          if (!logged_metrics_.empty()) info.metadata["metrics"] = logged_metrics_;
-          save->commit(written, info);
-          save.reset();
-          if (automatic) apply_total_limit(path);
-          return "";
-        },
-        "save_state(): committing the checkpoint");
-  } catch (const std::exception&) {
-    commit_failure = std::current_exception();
-  }
-  // A process whose own write failed reports that error rather than the summary.
-  if (commit_failure && failure) std::rethrow_exception(failure);
-  if (commit_failure) std::rethrow_exception(commit_failure);
+        }
+        CheckpointInfo info;
+        info.step = step_;
+        info.iteration = config_.iteration() - (automatic ? 1 : 0);
+        info.metadata = {
+            {"accelerator", {{"step", step_}, {"components", names}, {"world_size", world}}}};
+        if (!logged_metrics_.empty()) info.metadata["metrics"] = logged_metrics_;
+        save->commit(written, info);
+        save.reset();  // releases the lock before retention takes it
+        if (automatic) apply_total_limit(path);
+        return "";
+      },
+      "save_state(): committing the checkpoint");
   return opened.at("path").get<std::string>();
 }
 
@@ -679,7 +542,6 @@ std::optional<LoadStateReport> Accelerator::try_load_state() {
 LoadStateReport Accelerator::load_state(const std::string& input_dir) {
   wait_for_checkpoint();
   LoadStateReport report;
-  const std::string key = group_ ? next_exchange("load_state") : "";
   auto choose = [&]() -> std::string {
     if (!input_dir.empty()) return input_dir;
     std::string newest =
@@ -698,8 +560,7 @@ LoadStateReport Accelerator::load_state(const std::string& input_dir) {
   };
   // With several processes the main process chooses, so that all load the same one.
   const std::string path =
-      group_ ? decided_by_main(key + "/choose", choose, "load_state(): choosing the checkpoint")
-             : choose();
+      group_ ? group_->decided_by_main(choose, "load_state(): choosing the checkpoint") : choose();
   for (const auto& hook : load_hooks_) hook(path);
 
   DirectoryCheckpoint checkpoint;
@@ -711,7 +572,7 @@ LoadStateReport Accelerator::load_state(const std::string& input_dir) {
     failure = std::current_exception();
   }
   // Nothing changes on any process unless every process could read and verify it.
-  if (group_) agree(key + "/verified", failure, fmt::format("load_state(): reading {}", path));
+  if (group_) group_->agree(failure, fmt::format("load_state(): reading {}", path));
   const int rank = process_index();
   int saved_world = 1;
   {
