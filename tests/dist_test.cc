@@ -424,3 +424,57 @@ TEST(DistributedCli, VerifyNamesAMissingRanksFileAndLsShowsTheProcesses) {
   EXPECT_NE(show.find("processes  2"), std::string::npos) << show;
   EXPECT_NE(show.find("random_states_0.safetensors, 248 bytes, rank 0"), std::string::npos) << show;
 }
+
+// The Learner under torchrun: learner_child (auto_resume every 10 steps and at epoch ends,
+// model_checkpoint, early stopping, an LR scheduler, metrics and validation) on 2 processes,
+// one of them SIGKILLed mid-epoch, at an epoch end before or after the save, or inside a save,
+// and the pair restarted by torchrun: each run ends with the uninterrupted pair's final
+// checkpoint (model, optimizer, counters, records), bit for bit, and every step's loss on both
+// ranks is the uninterrupted run's.
+TEST(DistributedLearner, KilledAndRestartedByTorchrunEndsLikeTheUninterruptedRun) {
+  tt::TempDir dir;
+  auto fit = [&](const std::string& sub, const std::string& kill, int max_restarts) {
+    std::string d = dir.path() + "/" + sub;
+    std::filesystem::create_directories(d);
+    std::string out = d + "/out";
+    int status = std::system(
+        fmt::format("{} -m torch.distributed.run --standalone --nproc-per-node 2 --max-restarts {} "
+                    "--monitor-interval 0.1 --no-python {} {} {}/log {} sync > {} 2>&1",
+                    tt::python(), max_restarts, LEARNER_CHILD, d, d, kill, out)
+            .c_str());
+    EXPECT_EQ(status, 0) << tt::read_bytes(out);
+    std::vector<tt::ChildLog> logs;
+    for (int r = 0; r < 2; ++r) logs.push_back(tt::read_child_log(fmt::format("{}/log.{}", d, r)));
+    return logs;
+  };
+  std::vector<tt::ChildLog> reference = fit("reference", "none", 0);
+  ASSERT_EQ(reference[0].count("done"), 1u);
+  ASSERT_EQ(reference[1].count("done"), 1u);
+  const long ops = std::stol(reference[0].last("ops"));
+  for (const std::string& kill :
+       {std::string("rank:1:batch:3:4"), std::string("rank:0:batch:2:7"),
+        std::string("rank:0:after_save:2"), std::string("rank:1:before_save:4"),
+        fmt::format("rank:0:op:{}", ops / 3), fmt::format("rank:0:op:{}", ops * 2 / 3)}) {
+    SCOPED_TRACE(kill);
+    std::string sub = kill;
+    std::replace(sub.begin(), sub.end(), ':', '_');
+    std::vector<tt::ChildLog> logs = fit(sub, kill, 1);
+    EXPECT_EQ(logs[0].count("resumed"), 1u);
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(logs[r].count("done"), 1u);
+      for (const auto& [step, value] : logs[r].steps) {
+        auto expected = reference[r].steps.find(step);
+        ASSERT_NE(expected, reference[r].steps.end()) << "rank " << r << " step " << step;
+        EXPECT_EQ(value, expected->second) << "rank " << r << " step " << step;
+      }
+    }
+    std::string out = dir.path() + "/diff.out";
+    int status =
+        std::system(fmt::format("{} diff {}/reference/final.ckpt {}/{}/final.ckpt > {} 2>&1",
+                                TORCHPOINT_CLI, dir.path(), dir.path(), sub, out)
+                        .c_str());
+    EXPECT_EQ(status, 0) << tt::read_bytes(out);
+    // auto_resume removed its file when the fit completed.
+    EXPECT_FALSE(std::filesystem::exists(dir.path() + "/" + sub + "/state.ckpt"));
+  }
+}

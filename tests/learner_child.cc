@@ -6,6 +6,9 @@
 //   after_save:E      at the end of epoch E, after auto_resume saved it
 //   op:N              before the N-th file-system call of this process (inside some save)
 // SAVES is "sync", or "async" for auto_resume and model_checkpoint saving in the background.
+// Under torchrun (dist_test) every process runs the fit: LOG gets the suffix ".<rank>", a KILL
+// prefixed "rank:R:" applies to rank R only, and only on torchrun's first attempt; rank 0 writes
+// DIR/final.ckpt.
 // Appends "step <n> <loss bits hex>" per step and "resumed" to LOG; at the end writes
 // DIR/final.ckpt (model, optimizer, counters, records) and appends "ops <file-system calls>"
 // and "done".
@@ -15,6 +18,7 @@
 #include <atomic>
 #include <cinttypes>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -55,7 +59,17 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: learner_child DIR LOG KILL SAVES\n");
     return 2;
   }
-  const std::string dir = argv[1], log = argv[2], kill = argv[3];
+  const char* rank_text = std::getenv("RANK");
+  const int rank = rank_text ? std::atoi(rank_text) : 0;
+  const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  const std::string dir = argv[1];
+  const std::string log = std::string(argv[2]) + (rank_text ? std::string(".") + rank_text : "");
+  std::string kill = argv[3];
+  if (kill.rfind("rank:", 0) == 0) {
+    int target = std::atoi(kill.c_str() + 5);
+    kill = kill.substr(kill.find(':', 5) + 1);
+    if (target != rank || (attempt != nullptr && std::string(attempt) != "0")) kill = "none";
+  }
   const bool async = std::string(argv[4]) == "async";
   long kill_epoch = -1, kill_batch = -1, kill_before = -1, kill_after = -1, kill_op = -1;
   std::sscanf(kill.c_str(), "batch:%ld:%ld", &kill_epoch, &kill_batch);
@@ -110,7 +124,7 @@ int main(int argc, char** argv) {
                std::make_shared<tp::testing::LossTally>(),
                tp::callbacks::auto_resume(dir + "/state.ckpt").save_every_steps(10).async(async),
                late}));
-  learner->save_checkpoint(dir + "/final.ckpt");
+  if (rank == 0) learner->save_checkpoint(dir + "/final.ckpt");
   tp::testing::append_line(log, "ops " + std::to_string(ops.load()));
   tp::testing::append_line(log, "done");
   return 0;

@@ -25,6 +25,7 @@
 #include "torchpoint/data_position.h"
 #include "torchpoint/env.h"
 #include "torchpoint/error.h"
+#include "torchpoint/process_group.h"
 #include "torchpoint/state_dict.h"
 
 namespace torchpoint {
@@ -123,6 +124,10 @@ struct Context {
   const FitOptions* options = nullptr;
   MetricRecords* records = nullptr;
   Env* env = nullptr;
+  // The processes of the fit (null: one process), and whether this is the main one, which alone
+  // writes files other than checkpoints.
+  ProcessGroup* process_group = nullptr;
+  bool is_main_process() const { return process_group == nullptr || process_group->rank() == 0; }
 
   std::int64_t epoch = 0;  // the epoch running or just finished, from 1
   // The epoch fit() stops after: FitOptions::epochs, or, after resume_from_checkpoint with
@@ -261,6 +266,15 @@ struct FitOptions {
   TORCH_ARG(OutputStream, output) = nullptr;
   // The Env checkpoints are written and read through (Env::posix() when null).
   TORCH_ARG(EnvPointer, env) = nullptr;
+  // The processes the fit runs on, data-parallel; when null, torchrun's
+  // (ProcessGroup::from_environment(): none for a program started as one process). Every process
+  // runs the same fit: it starts from rank 0's parameters, trains on its part of every batch of
+  // batch_size samples per process, averages the gradients, and records the epoch's metrics over
+  // all processes, so callbacks decide alike everywhere. Checkpoints (auto_resume,
+  // model_checkpoint, save_checkpoint) are written by the main process and hold every process's
+  // RNG states and running sums; the other callbacks' files (csv_logger, tensorboard) and the
+  // progress display are the main process's. Saving in the background is one process only.
+  TORCH_ARG(std::shared_ptr<ProcessGroup>, process_group) = nullptr;
 
  public:
   FitOptions& valid_data(FitData data) {

@@ -1,13 +1,12 @@
 // ProcessGroup on c10d: a TCPStore (torchrun's, or rank 0's) and a ProcessGroupGloo.
 #include "torchpoint/process_group.h"
 
-#include <fmt/format.h>
-
 #include <ATen/ops/cat.h>
-#include <nlohmann/json.hpp>
+#include <fmt/format.h>
 
 #include <cstdlib>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -310,9 +309,9 @@ std::vector<std::string> ProcessGroup::gather_strings(const std::string& value, 
 namespace {
 
 ErrorCode error_code_named(const std::string& name) {
-  for (ErrorCode c : {ErrorCode::NotFound, ErrorCode::Corruption, ErrorCode::Incompatible,
-                      ErrorCode::IOError, ErrorCode::InvalidArgument, ErrorCode::Locked,
-                      ErrorCode::Unsupported}) {
+  for (ErrorCode c :
+       {ErrorCode::NotFound, ErrorCode::Corruption, ErrorCode::Incompatible, ErrorCode::IOError,
+        ErrorCode::InvalidArgument, ErrorCode::Locked, ErrorCode::Unsupported}) {
     if (name == error_code_name(c)) return c;
   }
   return ErrorCode::IOError;
@@ -397,8 +396,8 @@ void ProcessGroup::agree(const std::exception_ptr& failure, const std::string& w
   }
   if (failed.empty()) return;
   if (failure) std::rethrow_exception(failure);
-  throw Error(code, fmt::format("rank {}: {} failed on another process ({})", rank(), what,
-                                failed));
+  throw Error(code,
+              fmt::format("rank {}: {} failed on another process ({})", rank(), what, failed));
 }
 
 void ProcessGroup::broadcast_tensors(const std::vector<at::Tensor>& tensors, int root,

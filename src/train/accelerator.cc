@@ -251,7 +251,6 @@ void Accelerator::print(const std::string& text) const {
   if (is_main_process()) std::cout << text << std::endl;
 }
 
-
 std::vector<std::string> Accelerator::component_names() const {
   std::map<std::string, int> seen;
   std::vector<std::string> names;

@@ -93,7 +93,7 @@ class AutoResume final : public Callback {
   void on_fit_end(Context& ctx) override {
     if (options_.async()) ctx.background_saver().wait();
     // The run is complete: as luz does, the next fit starts from scratch.
-    if (ctx.env->stat(options_.path()).exists) {
+    if (ctx.is_main_process() && ctx.env->stat(options_.path()).exists) {
       ctx.env->remove_file(options_.path());
       std::string parent = parent_path(options_.path());
       ctx.env->sync_dir(parent.empty() ? "." : parent);
@@ -152,7 +152,8 @@ class ModelCheckpoint final : public Callback {
     }
     std::erase_if(saved_, [&](const Saved& f) { return f.path == path; });  // overwritten
     saved_.push_back({path, value});
-    if (options_.save_top_k() && !options_.async()) keep_top_k(*ctx.env);
+    // The files are the main process's (with several processes, it wrote them).
+    if (options_.save_top_k() && !options_.async() && ctx.is_main_process()) keep_top_k(*ctx.env);
   }
 
   StateDict state_dict() const override {
@@ -352,6 +353,7 @@ class CsvLogger final : public Callback {
   }
 
   void on_epoch_end(Context& ctx) override {
+    if (!ctx.is_main_process()) return;  // one log of the run, the main process's
     namespace fs = std::filesystem;
     const std::string& path = options_.path();
     if (!started_) {
@@ -450,6 +452,7 @@ class Tfevents final : public Callback {
   void on_fit_end(Context&) override { close(); }
 
   void on_epoch_end(Context& ctx) override {
+    if (!ctx.is_main_process()) return;  // one event file of the run, the main process's
     const double now =
         std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
     std::string records;

@@ -26,8 +26,9 @@ struct FitRun {
   const FitData* data = nullptr;
   const FitOptions* options = nullptr;
   Env* env = nullptr;
-  ResumableSampler sampler;
-  std::vector<CallbackPtr> callbacks;  // in call order
+  std::shared_ptr<ProcessGroup> group;  // null: one process
+  ResumableSampler sampler;             // sharded over the group's processes
+  std::vector<CallbackPtr> callbacks;   // in call order
   std::vector<Metric> metrics;
   std::vector<std::string> monitors;            // every monitor name this fit records
   std::map<std::string, Accumulator> progress;  // by monitor name, for the running epoch
@@ -43,8 +44,13 @@ struct FitRun {
   void each(const char* name, void (Callback::*hook)(Context&));
   // Adds the current batch's loss and metrics to the sums of `set` ("train" or "valid").
   void add_batch(const std::string& set);
-  // Records the epoch's means of `set` and puts them in ctx.metrics.
+  // Records the epoch's means of `set` (over every process) and puts them in ctx.metrics.
   void record_set(const std::string& set);
+  // Replaces the sampler (restored from a checkpoint), sharded like the one it replaces.
+  void set_sampler(ResumableSampler restored) {
+    restored.shard(sampler.shard_rank(), sampler.shard_count());
+    sampler = restored;
+  }
 };
 
 }  // namespace torchpoint::detail

@@ -61,9 +61,28 @@ void FitRun::add_batch(const std::string& set) {
 
 void FitRun::record_set(const std::string& set) {
   std::string prefix = set + "_";
+  std::map<std::string, Accumulator> totals;
+  for (const std::string& name : monitors) {
+    if (name.rfind(prefix, 0) == 0) totals[name] = progress[name];
+  }
+  if (group) {
+    // Every process's sums and counts (counts are exact in float64 up to 2^53).
+    std::vector<double> flat;
+    for (const auto& [name, a] : totals) {
+      flat.push_back(a.sum);
+      flat.push_back(static_cast<double>(a.count));
+    }
+    at::Tensor t = at::tensor(flat, at::kDouble);
+    group->allreduce(t, ProcessGroup::ReduceOp::Sum, "fit(): the epoch's " + set + " metrics");
+    std::size_t i = 0;
+    for (auto& [name, a] : totals) {
+      a.sum = t[static_cast<std::int64_t>(i++)].item<double>();
+      a.count = static_cast<std::int64_t>(t[static_cast<std::int64_t>(i++)].item<double>());
+    }
+  }
   for (const std::string& name : monitors) {
     if (name.rfind(prefix, 0) != 0) continue;
-    double value = progress[name].mean();
+    double value = totals[name].mean();
     ctx.metrics[name] = value;
     ctx.records->record(set, name.substr(prefix.size()), value);
   }
@@ -241,8 +260,16 @@ FitResult Learner::fit(const FitData& data, const FitOptions& options) {
   }
   if (data.size() == 0) throw Error(ErrorCode::InvalidArgument, "fit: the training data is empty");
 
-  detail::FitRun run(data.size(), options.shuffle(),
-                     options.seed() ? *options.seed() : draw_seed());
+  std::shared_ptr<ProcessGroup> group =
+      options.process_group() ? options.process_group() : ProcessGroup::from_environment();
+  std::uint64_t seed = options.seed() ? *options.seed() : draw_seed();
+  if (group && !options.seed()) {
+    // Each process drew from its own generator: the order is rank 0's.
+    seed = std::stoull(group->broadcast_string(std::to_string(seed), 0, "fit(): the data order"));
+  }
+  detail::FitRun run(data.size(), options.shuffle(), seed);
+  run.group = group;
+  if (group) run.sampler.shard(group->rank(), group->size());
   run.learner = this;
   run.data = &data;
   run.options = &options;
@@ -311,7 +338,17 @@ FitResult Learner::fit(const FitData& data, const FitOptions& options) {
   ctx.env = run.env;
   ctx.epochs = options.epochs();
   ctx.monitors = run.monitors;
-  ctx.batches_per_epoch = static_cast<std::int64_t>((data.size() + batch_size - 1) / batch_size);
+  ctx.process_group = group.get();
+  const std::size_t processes = group ? static_cast<std::size_t>(group->size()) : 1;
+  const std::size_t global_batch = batch_size * processes;
+  ctx.batches_per_epoch =
+      static_cast<std::int64_t>((data.size() + global_batch - 1) / global_batch);
+  if (group) {
+    // Every process starts from rank 0's parameters and buffers.
+    std::vector<at::Tensor> tensors = model_->parameters();
+    for (const at::Tensor& b : model_->buffers()) tensors.push_back(b);
+    group->broadcast_tensors(tensors, 0, "fit(): rank 0's parameters");
+  }
 
   std::ostream* out = nullptr;
   bool terminal = false;
@@ -319,6 +356,7 @@ FitResult Learner::fit(const FitData& data, const FitOptions& options) {
     out = options.output() != nullptr ? options.output() : &std::cout;
     terminal = out == &std::cout && ::isatty(STDOUT_FILENO) == 1;
   }
+  if (group && group->rank() != 0) out = nullptr;  // the main process shows the progress
   detail::Progress progress(out, terminal, terminal ? detail::terminal_width(STDOUT_FILENO) : 80);
 
   run.each("on_fit_begin", &Callback::on_fit_begin);
@@ -362,6 +400,13 @@ FitResult Learner::fit(const FitData& data, const FitOptions& options) {
       run.each("on_train_batch_after_loss", &Callback::on_train_batch_after_loss);
       run.each("on_train_batch_before_backward", &Callback::on_train_batch_before_backward);
       ctx.loss.backward();
+      if (group) {
+        std::vector<at::Tensor> grads;
+        for (const at::Tensor& p : model_->parameters()) {
+          if (p.requires_grad() && p.grad().defined()) grads.push_back(p.grad());
+        }
+        group->average_tensors(grads, "fit(): averaging the gradients");
+      }
       run.each("on_train_batch_before_step", &Callback::on_train_batch_before_step);
       optimizer_->step();
       ++counters_.step;
@@ -385,9 +430,11 @@ FitResult Learner::fit(const FitData& data, const FitOptions& options) {
       at::NoGradGuard no_grad;
       run.each("on_valid_begin", &Callback::on_valid_begin);
       progress.valid_begin(
-          static_cast<std::int64_t>((valid->size() + batch_size - 1) / batch_size));
+          static_cast<std::int64_t>((valid->size() + global_batch - 1) / global_batch));
       std::int64_t batch = 0;
-      for (std::size_t begin = 0; begin < valid->size(); begin += batch_size) {
+      // Each process evaluates its part; record_set() sums them.
+      const std::size_t first = group ? batch_size * static_cast<std::size_t>(group->rank()) : 0;
+      for (std::size_t begin = first; begin < valid->size(); begin += global_batch) {
         auto [x, y] = valid->batch(sequential(begin, std::min(valid->size(), begin + batch_size)));
         ctx.batch = ++batch;
         ctx.input = x;

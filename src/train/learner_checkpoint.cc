@@ -8,6 +8,8 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <cstring>
+#include <mutex>
 
 #include "torchpoint/error.h"
 #include "torchpoint/learner.h"
@@ -89,7 +91,7 @@ struct PositionPart {
                         s.get<std::int64_t>("progress." + name + ".count")};
     }
     bool mid_epoch = s.get<bool>("mid_epoch");
-    run->sampler = sampler;
+    run->set_sampler(sampler);
     run->progress = std::move(progress);
     run->mid_epoch = mid_epoch;
     run->ctx.stop_requested = s.get<bool>("stop_requested");
@@ -158,6 +160,64 @@ struct CallbacksPart {
   }
 };
 
+// A small StateDict (one process's RNG states and running sums) as bytes for the store: CBOR,
+// with each tensor as its dtype, shape and bytes. Read back only from the same build's processes.
+std::string pack(const StateDict& state) {
+  Json entries = Json::array();
+  for (const auto& [key, value] : state.entries()) {
+    if (std::holds_alternative<Json>(value)) {
+      entries.push_back({{"key", key}, {"json", std::get<Json>(value)}});
+      continue;
+    }
+    at::Tensor t = std::get<at::Tensor>(value).contiguous().cpu();
+    const auto* bytes = static_cast<const std::uint8_t*>(t.data_ptr());
+    entries.push_back(
+        {{"key", key},
+         {"dtype", static_cast<int>(t.scalar_type())},
+         {"shape", t.sizes().vec()},
+         {"data", Json::binary(std::vector<std::uint8_t>(bytes, bytes + t.nbytes()))}});
+  }
+  std::vector<std::uint8_t> cbor = Json::to_cbor(entries);
+  return std::string(cbor.begin(), cbor.end());
+}
+
+StateDict unpack(const std::string& bytes) {
+  StateDict state;
+  for (const Json& e : Json::from_cbor(std::vector<std::uint8_t>(bytes.begin(), bytes.end()))) {
+    const std::string key = e.at("key").get<std::string>();
+    if (e.contains("json")) {
+      state.set(key, e.at("json"));
+      continue;
+    }
+    const auto& data = e.at("data").get_binary();
+    at::Tensor t =
+        at::empty(e.at("shape").get<std::vector<std::int64_t>>(),
+                  at::TensorOptions().dtype(static_cast<at::ScalarType>(e.at("dtype").get<int>())));
+    if (static_cast<std::size_t>(t.nbytes()) != data.size()) {
+      throw Error(ErrorCode::Corruption,
+                  fmt::format("a process sent {} bytes for tensor {} of {} bytes", data.size(), key,
+                              t.nbytes()));
+    }
+    std::memcpy(t.data_ptr(), data.data(), data.size());
+    state.set(key, t);
+  }
+  return state;
+}
+
+// What differs between the processes of a fit: the RNG states and the running epoch's sums.
+StateDict process_part(const detail::FitRun& run) {
+  StateDict s;
+  s.set_child("rng", RngState().state_dict());
+  std::vector<std::string> names;
+  for (const auto& [name, acc] : run.progress) {
+    names.push_back(name);
+    s.set_double("progress." + name + ".sum", acc.sum);
+    s.set("progress." + name + ".count", acc.count);
+  }
+  s.set("progress_names", names);
+  return s;
+}
+
 StateDict read_checkpoint(const std::string& path, Env& env) {
   StateDict state = StateDict::from_container(load_file(path, env));
   state.set_description(path);
@@ -181,10 +241,35 @@ StateDict read_checkpoint(const std::string& path, Env& env) {
 }  // namespace
 
 void Learner::save_checkpoint(const std::string& path, Env* env) const {
-  save_file(path, checkpoint_contents(), env_or_default(env));
+  if (run_ == nullptr || !run_->group) {
+    save_file(path, checkpoint_contents(), env_or_default(env));
+    return;
+  }
+  // Several processes: the main process writes one file holding every process's part.
+  ProcessGroup& group = *run_->group;
+  std::vector<std::string> parts = group.gather_strings(
+      pack(process_part(*run_)), 0, fmt::format("save_checkpoint({}): every process's part", path));
+  group.decided_by_main(
+      [&] {
+        Container contents = checkpoint_contents();
+        StateDict state = StateDict::from_container(contents);
+        state.set("processes.count", static_cast<std::int64_t>(group.size()));
+        for (std::size_t r = 0; r < parts.size(); ++r) {
+          state.set_child(fmt::format("processes.{}", r), unpack(parts[r]));
+        }
+        save_file(path, state.to_container(), env_or_default(env));
+        return std::string();
+      },
+      fmt::format("save_checkpoint({})", path));
 }
 
 SaveHandle Learner::save_checkpoint(const std::string& path, AsyncCheckpointer& saver) const {
+  if (run_ != nullptr && run_->group) {
+    throw Error(ErrorCode::Unsupported,
+                fmt::format("saving {} in the background runs on one process only for now: "
+                            "with several processes, save synchronously (async(false))",
+                            path));
+  }
   return saver.save_file(path, checkpoint_contents());
 }
 
@@ -222,7 +307,27 @@ void Learner::restore_checkpoint(const std::string& path, const RestoreOptions& 
                 "restore_checkpoint: restoring the exact position needs the records and "
                 "counters too");
   }
-  StateDict state = read_checkpoint(path, env_or_default(env));
+  StateDict state;
+  std::exception_ptr failure;
+  try {
+    state = read_checkpoint(path, env_or_default(env));
+  } catch (const std::exception&) {
+    if (run_ == nullptr || !run_->group) throw;
+    failure = std::current_exception();
+  }
+  // Several processes: nothing changes on any of them unless every one could read it.
+  if (run_ != nullptr && run_->group) {
+    run_->group->agree(failure, fmt::format("restore_checkpoint({})", path));
+  }
+  const int rank = run_ != nullptr && run_->group ? run_->group->rank() : 0;
+  const int processes = run_ != nullptr && run_->group ? run_->group->size() : 1;
+  const std::int64_t saved_processes =
+      state.contains("processes.count") ? state.get<std::int64_t>("processes.count") : 1;
+  if (saved_processes > 1 && what.position()) {
+    // This process's RNG states; one the file has none for takes rank 0's (reseeded below).
+    const std::string own = fmt::format("processes.{}", rank < saved_processes ? rank : 0);
+    state.set_child("rng", state.child(own + ".rng"));
+  }
   StateDict selected;
   StatefulSet set;
   auto select = [&](const std::string& name) {
@@ -263,6 +368,32 @@ void Learner::restore_checkpoint(const std::string& path, const RestoreOptions& 
     set.add("rng", RngState(), /*restore_last=*/true);
   }
   set.restore(selected);
+  if (saved_processes > 1 && what.position()) {
+    // The running epoch's sums: this process's own on the same number of processes; otherwise
+    // rank 0 takes the sum of every saved process's and the others start at zero, so that the
+    // epoch's metrics (summed over the processes) are unchanged.
+    std::map<std::string, detail::Accumulator> progress;
+    for (std::int64_t r = 0; r < saved_processes; ++r) {
+      if (processes == saved_processes ? r != rank : rank != 0) continue;
+      StateDict part = state.child(fmt::format("processes.{}", r));
+      for (const std::string& name : part.get<std::vector<std::string>>("progress_names")) {
+        progress[name].sum += part.get_double("progress." + name + ".sum");
+        progress[name].count += part.get<std::int64_t>("progress." + name + ".count");
+      }
+    }
+    run_->progress = std::move(progress);
+    if (rank >= saved_processes) {
+      at::Generator generator = at::detail::getDefaultCPUGenerator();
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      generator.set_current_seed(generator.current_seed() + static_cast<std::uint64_t>(rank));
+    }
+    if (processes != saved_processes && rank == 0) {
+      run_->ctx.warn(fmt::format(
+          "{} was saved by {} process(es) and is restored by {}: the epoch continues with no "
+          "sample repeated or skipped, but its batches differ from the saved run's from here on",
+          path, saved_processes, processes));
+    }
+  }
   if (run_ != nullptr && what.records()) {
     run_->resumed_after_epoch = counters_.epoch;
     if (!what.position()) run_->mid_epoch = false;
