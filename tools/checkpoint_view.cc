@@ -185,7 +185,14 @@ std::vector<std::string> missing_rank_files(const std::string& path) {
   } catch (const std::exception&) {
     return {};  // verify() names what is wrong with the manifest itself
   }
-  const int world = world_size_of(manifest.info.metadata);
+  // Only a checkpoint that says how many processes wrote it (the Accelerator's) has RNG files to
+  // expect; save_directory's own and older ones do not.
+  const Json& meta = manifest.info.metadata;
+  if (!meta.is_object() || !meta.contains("accelerator") || !meta["accelerator"].is_object() ||
+      !meta["accelerator"].contains("world_size")) {
+    return {};
+  }
+  const int world = world_size_of(meta);
   std::set<std::string> listed;
   for (const ManifestFile& f : manifest.files) listed.insert(f.component);
   std::vector<std::string> problems;

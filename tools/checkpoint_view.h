@@ -49,8 +49,9 @@ CheckpointView open_checkpoint(const std::string& path);
 // metadata.accelerator.world_size; 1 when absent), from its metadata.
 int world_size_of(const Json& metadata);
 // What a directory checkpoint's manifest at `path` lacks for the processes that wrote it: one
-// problem per rank whose random_states_<rank> file it does not list. Empty when complete, and for
-// anything that is not a readable directory checkpoint (verify reports those).
+// problem per rank whose random_states_<rank> file it does not list. Empty when complete, when
+// the manifest does not record the number of processes (metadata.accelerator.world_size), and
+// for anything that is not a readable directory checkpoint (verify reports those).
 std::vector<std::string> missing_rank_files(const std::string& path);
 
 // The component named `name`, or nullptr.
