@@ -25,29 +25,11 @@
 #include "testing/fault_env.h"
 #include "tests/accelerator_job.h"
 #include "tests/child_log.h"
+#include "tests/state_digest.h"
 #include "torchpoint/checkpoint_manager.h"
 #include "torchpoint/rng_state.h"
 
 namespace tp = torchpoint;
-
-namespace {
-
-std::uint64_t digest(const tp::StateDict& sd) {
-  tp::Xxh3Stream h;
-  for (const auto& [key, value] : sd.entries()) {
-    h.update(key.data(), key.size());
-    if (std::holds_alternative<at::Tensor>(value)) {
-      at::Tensor t = std::get<at::Tensor>(value).contiguous();
-      h.update(t.data_ptr(), t.numel() * t.element_size());
-    } else {
-      std::string text = std::get<tp::Json>(value).dump();
-      h.update(text.data(), text.size());
-    }
-  }
-  return h.digest();
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   if (argc != 5) {
@@ -125,6 +107,7 @@ int main(int argc, char** argv) {
       });
   job.acc.wait_for_checkpoint();
   checkpoints.wait_for_checkpoint();
-  tp::testing::append_line(log, "final " + tp::checksum_hex(digest(job.final_state())));
+  tp::testing::append_line(
+      log, "final " + tp::checksum_hex(tp::testing::state_digest(job.final_state())));
   return 0;
 }

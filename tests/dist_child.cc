@@ -27,6 +27,7 @@
 #include "format/checksum.h"
 #include "testing/fault_env.h"
 #include "tests/child_log.h"
+#include "tests/state_digest.h"
 #include "torchpoint/accelerator.h"
 #include "torchpoint/data_loader.h"
 #include "torchpoint/module_state.h"
@@ -49,21 +50,6 @@ struct IndexedData : torch::data::datasets::Dataset<IndexedData> {
   c10::optional<std::size_t> size() const override { return 192; }
   torch::Tensor x, y;
 };
-
-std::uint64_t digest_of(const tp::StateDict& sd) {
-  tp::Xxh3Stream h;
-  for (const auto& [key, value] : sd.entries()) {
-    h.update(key.data(), key.size());
-    if (std::holds_alternative<at::Tensor>(value)) {
-      at::Tensor t = std::get<at::Tensor>(value).contiguous();
-      h.update(t.data_ptr(), t.numel() * t.element_size());
-    } else {
-      std::string text = std::get<tp::Json>(value).dump();
-      h.update(text.data(), text.size());
-    }
-  }
-  return h.digest();
-}
 
 int env_int(const char* name, int fallback) {
   const char* v = std::getenv(name);
@@ -200,7 +186,8 @@ int main(int argc, char** argv) {
     final_state.set_child("scheduler", scheduler.state_dict());
     final_state.set_child("scaler", scaler.state_dict());
     final_state.set_child("rng", acc.rng().state_dict());
-    tp::testing::append_line(log, "final " + tp::checksum_hex(digest_of(final_state)));
+    tp::testing::append_line(log,
+                             "final " + tp::checksum_hex(tp::testing::state_digest(final_state)));
     if (acc.is_main_process()) {
       tp::save_file(std::string(argv[2]) + ".model.safetensors",
                     tp::module_state_dict(*model).to_container());

@@ -444,6 +444,9 @@ class Accelerator {
   // The sampler of a prepared loader: sharded over the processes.
   void add_sampler(AnyStateful sampler, ResumableSampler& shardable);
   std::string save_state_distributed(const std::string& output_dir, bool overwrite);
+  // What every save checks first (a directory or automatic naming; no unconsumed scaled
+  // gradients), then the path it writes: output_dir, or the next automatically named one.
+  std::string begin_save(const std::string& output_dir);
   // Watches the optimizer's first trainable parameter: a hook on it counts backward passes
   // that did not go through backward(), and its gradient shows when gradients were cleared.
   void watch(torch::optim::Optimizer& optimizer);

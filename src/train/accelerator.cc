@@ -358,19 +358,23 @@ void Accelerator::wait_for_checkpoint() {
   if (async_) async_->wait();
 }
 
-std::string Accelerator::save_state_with(const std::string& output_dir, bool overwrite,
-                                         AsyncCheckpointer* saver, SaveHandle* handle) {
-  if (saver != nullptr) saver->wait();  // the previous save's error first, if nobody took it
-  const bool automatic = output_dir.empty() && config_.automatic_checkpoint_naming();
-  if (output_dir.empty() && !automatic) {
+std::string Accelerator::begin_save(const std::string& output_dir) {
+  if (output_dir.empty() && !config_.automatic_checkpoint_naming()) {
     throw Error(ErrorCode::InvalidArgument,
                 "save_state() needs an output directory: pass one, or use "
                 "ProjectConfiguration().project_dir(...).automatic_checkpoint_naming(true)");
   }
   check_no_step_on_scaled_gradients(/*saving=*/true);
   warn_about_uncounted_backwards();
-  const std::string path =
-      automatic ? join_path(checkpoints_dir(), checkpoint_name(config_.iteration())) : output_dir;
+  return output_dir.empty() ? join_path(checkpoints_dir(), checkpoint_name(config_.iteration()))
+                            : output_dir;
+}
+
+std::string Accelerator::save_state_with(const std::string& output_dir, bool overwrite,
+                                         AsyncCheckpointer* saver, SaveHandle* handle) {
+  if (saver != nullptr) saver->wait();  // the previous save's error first, if nobody took it
+  const bool automatic = output_dir.empty();
+  const std::string path = begin_save(output_dir);
 
   std::vector<std::string> names = component_names();
   std::vector<torchpoint::Component> files;
@@ -409,21 +413,13 @@ std::string Accelerator::save_state_with(const std::string& output_dir, bool ove
 }
 
 std::string Accelerator::save_state_distributed(const std::string& output_dir, bool overwrite) {
-  const bool automatic = output_dir.empty() && config_.automatic_checkpoint_naming();
-  if (output_dir.empty() && !automatic) {
-    throw Error(ErrorCode::InvalidArgument,
-                "save_state() needs an output directory: pass one, or use "
-                "ProjectConfiguration().project_dir(...).automatic_checkpoint_naming(true)");
-  }
-  check_no_step_on_scaled_gradients(/*saving=*/true);
-  warn_about_uncounted_backwards();
+  const bool automatic = output_dir.empty();
+  const std::string path = begin_save(output_dir);
   const int rank = group_->rank(), world = group_->size();
   const std::vector<std::string> names = component_names();
 
   // 1. The main process opens the checkpoint: the lock, a temporary directory, the save hooks.
   std::unique_ptr<DirectorySave> save;
-  const std::string path =
-      automatic ? join_path(checkpoints_dir(), checkpoint_name(config_.iteration())) : output_dir;
   Json opened = Json::parse(group_->decided_by_main(
       [&] {
         std::vector<std::string> all = names;
