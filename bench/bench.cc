@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "io/huge_pages.h"
+#include "s2_model.h"
 #include "torchpoint/async_save.h"
 #include "torchpoint/checkpoint_dir.h"
 #include "torchpoint/optimizer_state.h"
@@ -365,38 +366,6 @@ class PeakMemory {
 
 // ---- The states -----------------------------------------------------------------------------
 
-struct BlockImpl : torch::nn::Module {
-  BlockImpl(std::int64_t d, std::int64_t ffn) {
-    ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
-    q = register_module("q", torch::nn::Linear(d, d));
-    k = register_module("k", torch::nn::Linear(d, d));
-    v = register_module("v", torch::nn::Linear(d, d));
-    o = register_module("o", torch::nn::Linear(d, d));
-    ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
-    ff1 = register_module("ff1", torch::nn::Linear(d, ffn));
-    ff2 = register_module("ff2", torch::nn::Linear(ffn, d));
-  }
-  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
-  torch::nn::Linear q{nullptr}, k{nullptr}, v{nullptr}, o{nullptr}, ff1{nullptr}, ff2{nullptr};
-};
-TORCH_MODULE(Block);
-
-// Only the parameters matter here, so there is no forward().
-struct TinyTransformerImpl : torch::nn::Module {
-  TinyTransformerImpl(std::int64_t blocks, std::int64_t d, std::int64_t ffn, std::int64_t vocab,
-                      std::int64_t positions) {
-    tok = register_module("tok", torch::nn::Embedding(vocab, d));
-    pos = register_module("pos", torch::nn::Embedding(positions, d));
-    layers = register_module("blocks", torch::nn::ModuleList());
-    for (std::int64_t i = 0; i < blocks; ++i) layers->push_back(Block(d, ffn));
-    ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
-  }
-  torch::nn::Embedding tok{nullptr}, pos{nullptr};
-  torch::nn::ModuleList layers{nullptr};
-  torch::nn::LayerNorm ln_f{nullptr};
-};
-TORCH_MODULE(TinyTransformer);
-
 void finish_state(State& s) {
   s.bytes = 0;
   for (const auto& [name, t] : s.data.tensors) {
@@ -414,16 +383,9 @@ State make_s1(bool quick) {
 }
 
 State make_s2(bool quick) {
-  const std::int64_t blocks = quick ? 2 : 24;
-  const std::int64_t d = 256, ffn = 1024, positions = 1024;
-  const std::int64_t vocab = quick ? 2000 : 32000;
-  TinyTransformer model(blocks, d, ffn, vocab, positions);
-  torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-3));
-  constexpr int kAdamSteps = 3;
-  for (int step = 0; step < kAdamSteps; ++step) {
-    for (auto& p : model->parameters()) p.mutable_grad() = torch::randn_like(p);
-    adam.step();
-  }
+  torchpoint::bench::S2Model m = torchpoint::bench::make_s2_model(quick);
+  auto& model = m.model;
+  auto& adam = *m.adam;
   State s{"S2", "", {}, 0};
   auto params = model->named_parameters();
   for (const auto& item : params) {
@@ -435,12 +397,7 @@ State make_s2(bool quick) {
     if (optim.is_tensor(key)) s.data.tensors.emplace_back("optim." + key, optim.tensor(key));
   }
   finish_state(s);
-  std::int64_t numel = 0;
-  for (const auto& p : model->parameters()) numel += p.numel();
-  s.description = fmt::format(
-      "transformer-like ({} blocks, d={}, ffn={}, vocab={}): {} params in {} tensors + Adam "
-      "state after {} steps",
-      blocks, d, ffn, vocab, numel, params.size(), kAdamSteps);
+  s.description = m.description;
   return s;
 }
 

@@ -1,0 +1,204 @@
+// torchpoint_dist_bench: times Accelerator::save_state and load_state of the benchmark's state S2
+// (a transformer-like model and its Adam state) on as many processes as it is started on: alone,
+// it is one process; under torchrun, every process runs it and they save and load together. The
+// main process writes the model and optimizer once, every process its own RNG file, so a save
+// on two processes should cost about what it costs on one. bench/dist.sh runs it both ways and
+// prints the ratio. It is a measurement, not a test: nothing is asserted.
+//
+//   torchpoint_dist_bench --dir PATH [--reps N] [--hot] [--quick] [--json]
+//
+// Every timed operation starts after a barrier and ends when the slowest process returns (the
+// time reported is the maximum over the processes). Loads are cold: the checkpoint's pages are
+// dropped from the page cache first. PATH must be the same directory for every process; the
+// benchmark empties it.
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+#include <string>
+#include <system_error>
+#include <vector>
+
+#include "s2_model.h"
+#include "torchpoint/accelerator.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+namespace tp = torchpoint;
+using Clock = std::chrono::steady_clock;
+
+struct Options {
+  std::string dir;
+  int reps = 5;
+  bool quick = false;
+  bool json = false;
+  bool hot = false;  // loads from the page cache, not the disk
+};
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::invalid_argument(arg + " needs a value");
+      return argv[++i];
+    };
+    if (arg == "--dir") {
+      o.dir = value();
+    } else if (arg == "--reps") {
+      o.reps = std::stoi(value());
+      if (o.reps < 1) throw std::invalid_argument("--reps must be at least 1");
+    } else if (arg == "--quick") {
+      o.quick = true;
+    } else if (arg == "--hot") {
+      o.hot = true;
+    } else if (arg == "--json") {
+      o.json = true;
+    } else {
+      throw std::invalid_argument("unknown argument '" + arg + "'");
+    }
+  }
+  if (o.dir.empty()) throw std::invalid_argument("--dir PATH is required");
+  return o;
+}
+
+// Drops the pages of every file under `dir` from the page cache, so the next load reads the disk.
+void evict(const fs::path& dir) {
+  for (const auto& entry : fs::recursive_directory_iterator(dir)) {
+    if (!entry.is_regular_file()) continue;
+    int fd = ::open(entry.path().c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+      throw std::system_error(errno, std::generic_category(), "open " + entry.path().string());
+    int rc = ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    ::close(fd);
+    if (rc != 0) {
+      throw std::system_error(rc, std::generic_category(),
+                              "posix_fadvise " + entry.path().string());
+    }
+  }
+}
+
+std::uint64_t directory_bytes(const fs::path& dir) {
+  std::uint64_t total = 0;
+  for (const auto& entry : fs::recursive_directory_iterator(dir)) {
+    if (entry.is_regular_file()) total += entry.file_size();
+  }
+  return total;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Runs `op` on every process between a barrier and its return; the slowest process's seconds.
+template <typename F>
+double timed(tp::Accelerator& accelerator, F&& op) {
+  accelerator.wait_for_everyone();
+  const auto start = Clock::now();
+  op();
+  const double mine = std::chrono::duration<double>(Clock::now() - start).count();
+  return accelerator.gather(torch::tensor({mine}, torch::kFloat64)).max().item<double>();
+}
+
+// Keeps only the newest checkpoint, so the disk holds one state between timed saves.
+void remove_older_checkpoints(const fs::path& checkpoints, const std::string& newest) {
+  for (const auto& entry : fs::directory_iterator(checkpoints)) {
+    if (entry.path() != fs::path(newest)) fs::remove_all(entry.path());
+  }
+}
+
+int run(const Options& o) {
+  tp::Accelerator accelerator(
+      tp::ProjectConfiguration().project_dir(o.dir).automatic_checkpoint_naming(true));
+  const int processes = accelerator.num_processes();
+  if (accelerator.is_main_process()) {
+    fs::remove_all(fs::path(o.dir) / "checkpoints");
+  }
+  accelerator.wait_for_everyone();
+
+  torch::manual_seed(0);
+  tp::bench::S2Model s2 = tp::bench::make_s2_model(o.quick);
+  auto [model, optimizer] = accelerator.prepare(s2.model, *s2.adam);
+  (void)model;
+  (void)optimizer;
+
+  // One untimed save first: the first write of a process pays for faulting in its buffers.
+  std::string newest = accelerator.save_state();
+  std::vector<double> save_seconds, load_seconds;
+  for (int rep = 0; rep < o.reps; ++rep) {
+    if (accelerator.is_main_process())
+      remove_older_checkpoints(fs::path(o.dir) / "checkpoints", newest);
+    save_seconds.push_back(timed(accelerator, [&] { newest = accelerator.save_state(); }));
+    if (accelerator.is_main_process()) {
+      remove_older_checkpoints(fs::path(o.dir) / "checkpoints", newest);
+      if (!o.hot) evict(newest);
+    }
+    load_seconds.push_back(timed(accelerator, [&] { accelerator.load_state(newest); }));
+  }
+  // The machine's share of the work: every process copies as many bytes as the checkpoint holds,
+  // at the same time, between the same barriers; on one process this is the copy a load must at
+  // least make, and how it grows with the processes is what the memory allows them together.
+  std::vector<double> memcpy_seconds;
+  {
+    const std::size_t n = static_cast<std::size_t>(directory_bytes(newest));
+    std::vector<std::uint8_t> from(n, 1), to(n, 0);  // both faulted in before timing
+    for (int rep = 0; rep < o.reps; ++rep) {
+      memcpy_seconds.push_back(timed(accelerator, [&] { std::memcpy(to.data(), from.data(), n); }));
+      if (to[n / 2] != 1) throw std::logic_error("memcpy copied nothing");
+    }
+  }
+  if (!accelerator.is_main_process()) return 0;
+
+  const std::uint64_t bytes = directory_bytes(newest);
+  if (o.json) {
+    for (const auto& [op, seconds] :
+         {std::pair{"accelerator_save", &save_seconds},
+          std::pair{"accelerator_load", &load_seconds}, std::pair{"memcpy", &memcpy_seconds}}) {
+      nlohmann::json line = {{"state", "S2"},
+                             {"op", op},
+                             {"system", std::string(op) == "memcpy" ? "memcpy" : "torchpoint"},
+                             {"processes", processes},
+                             {"seconds", median(*seconds)},
+                             {"bytes", bytes},
+                             {"reps", o.reps},
+                             {"cache", o.hot ? "hot" : "cold"}};
+      std::printf("%s\n", line.dump().c_str());
+    }
+  } else {
+    fmt::print("S2: {}\n", s2.description);
+    fmt::print("{} process(es), {} reps, checkpoint of {:.1f} MiB\n", processes, o.reps,
+               static_cast<double>(bytes) / (1024.0 * 1024.0));
+    fmt::print("save_state  median {:.3f} s ({:.0f} MB/s)\n", median(save_seconds),
+               static_cast<double>(bytes) / median(save_seconds) / 1e6);
+    fmt::print("load_state  median {:.3f} s ({}, {:.0f} MB/s)\n", median(load_seconds),
+               o.hot ? "hot" : "cold", static_cast<double>(bytes) / median(load_seconds) / 1e6);
+  }
+  std::fflush(stdout);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(parse(argc, argv));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "torchpoint_dist_bench: %s\n", e.what());
+    std::fprintf(stderr,
+                 "usage: torchpoint_dist_bench --dir PATH [--reps N] [--hot] [--quick] [--json]\n");
+    return 1;
+  }
+}
