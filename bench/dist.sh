@@ -4,7 +4,9 @@
 # and the ratio of the medians (N processes / 1 process).
 #   bench/dist.sh [--processes N] [--rounds R] [--reps K] [--dir PATH] [--build DIR] [--quick]
 # Needs a build (scripts/setup.sh torchpoint_dist_bench, in ./build by default) and the venv
-# (scripts/venv.sh). Also prints memcpy of the checkpoint's bytes in every process at once: how
+# (scripts/venv.sh). Also runs N processes that each save and load a checkpoint of their own at
+# the same time ("independent": what the machine charges for N processes doing that work at once,
+# with no coordination), and prints memcpy of the checkpoint's bytes in every process at once: how
 # the machine's memory serves several processes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,14 +31,25 @@ for round in $(seq "$rounds"); do
   "$python" -m torch.distributed.run --standalone --nproc-per-node "$processes" \
     --monitor-interval 0.1 --no-python "$bench" --dir "$dir" --reps "$reps" --json "${quick[@]}" \
     2> >(grep -v '^\*\|OMP_NUM_THREADS' >&2) | tee -a "$out"
+  # What the machine charges for that many processes doing the same work at once, alone.
+  "$python" -m torch.distributed.run --standalone --nproc-per-node "$processes" \
+    --monitor-interval 0.1 --no-python "$bench" --dir "$dir" --reps "$reps" --json "${quick[@]}" \
+    --independent 2> >(grep -v '^\*\|OMP_NUM_THREADS' >&2) | tee -a "$out"
 done
 rm -rf "$dir"
 "$python" - "$out" "$processes" <<'PY'
 import json, statistics, sys
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.startswith("{")]
 n = int(sys.argv[2])
+def med(op, processes, system):
+    return statistics.median(r["seconds"] for r in rows if r["op"] == op and
+                             r["processes"] == processes and r["system"] in system)
 for op in ("accelerator_save", "accelerator_load", "memcpy"):
-    one = statistics.median(r["seconds"] for r in rows if r["op"] == op and r["processes"] == 1)
-    many = statistics.median(r["seconds"] for r in rows if r["op"] == op and r["processes"] == n)
-    print(f"S2 {op}: 1 process {one:.3f} s, {n} processes {many:.3f} s, ratio {many / one:.2f}")
+    one = med(op, 1, ("torchpoint", "memcpy"))
+    many = med(op, n, ("torchpoint", "memcpy"))
+    line = f"S2 {op}: 1 process {one:.3f} s, {n} processes {many:.3f} s, ratio {many / one:.2f}"
+    if op != "memcpy":
+        alone = med(op, n, ("independent",))
+        line += f"; {n} processes each alone {alone:.3f} s ({alone / one:.2f})"
+    print(line)
 PY

@@ -5,12 +5,14 @@
 // on two processes should cost about what it costs on one. bench/dist.sh runs it both ways and
 // prints the ratio. It is a measurement, not a test: nothing is asserted.
 //
-//   torchpoint_dist_bench --dir PATH [--reps N] [--hot] [--quick] [--json]
+//   torchpoint_dist_bench --dir PATH [--reps N] [--hot] [--quick] [--json] [--independent]
 //
 // Every timed operation starts after a barrier and ends when the slowest process returns (the
 // time reported is the maximum over the processes). Loads are cold: the checkpoint's pages are
 // dropped from the page cache first. PATH must be the same directory for every process; the
-// benchmark empties it.
+// benchmark empties it. With --independent (under torchrun), every process saves and loads a
+// checkpoint of its own, alone, in PATH/rank_<r>, timed between the same barriers: what so many
+// processes doing the same work at once cost the machine, with no coordination.
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <torch/torch.h>
@@ -31,6 +33,7 @@
 
 #include "s2_model.h"
 #include "torchpoint/accelerator.h"
+#include "torchpoint/process_group.h"
 
 namespace {
 
@@ -43,7 +46,8 @@ struct Options {
   int reps = 5;
   bool quick = false;
   bool json = false;
-  bool hot = false;  // loads from the page cache, not the disk
+  bool hot = false;          // loads from the page cache, not the disk
+  bool independent = false;  // each process saves and loads alone, at the same time
 };
 
 Options parse(int argc, char** argv) {
@@ -61,6 +65,8 @@ Options parse(int argc, char** argv) {
       if (o.reps < 1) throw std::invalid_argument("--reps must be at least 1");
     } else if (arg == "--quick") {
       o.quick = true;
+    } else if (arg == "--independent") {
+      o.independent = true;
     } else if (arg == "--hot") {
       o.hot = true;
     } else if (arg == "--json") {
@@ -105,12 +111,17 @@ double median(std::vector<double> v) {
 
 // Runs `op` on every process between a barrier and its return; the slowest process's seconds.
 template <typename F>
-double timed(tp::Accelerator& accelerator, F&& op) {
-  accelerator.wait_for_everyone();
+double timed(tp::ProcessGroup* group, F&& op) {
+  if (group) group->barrier("the start of a timed operation");
   const auto start = Clock::now();
   op();
-  const double mine = std::chrono::duration<double>(Clock::now() - start).count();
-  return accelerator.gather(torch::tensor({mine}, torch::kFloat64)).max().item<double>();
+  double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  if (group) {
+    for (const at::Tensor& t : group->allgather(torch::tensor({seconds}, torch::kFloat64))) {
+      seconds = std::max(seconds, t.item<double>());
+    }
+  }
+  return seconds;
 }
 
 // Keeps only the newest checkpoint, so the disk holds one state between timed saves.
@@ -121,13 +132,18 @@ void remove_older_checkpoints(const fs::path& checkpoints, const std::string& ne
 }
 
 int run(const Options& o) {
+  // The processes timed together: torchrun's (null when alone). With --independent, each of them
+  // saves and loads alone, through an Accelerator of its own in a directory of its own.
+  std::shared_ptr<tp::ProcessGroup> group = tp::ProcessGroup::from_environment();
+  const int rank = group ? group->rank() : 0;
+  const int processes = group ? group->size() : 1;
+  const std::string dir = o.independent ? fmt::format("{}/rank_{}", o.dir, rank) : o.dir;
   tp::Accelerator accelerator(
-      tp::ProjectConfiguration().project_dir(o.dir).automatic_checkpoint_naming(true));
-  const int processes = accelerator.num_processes();
-  if (accelerator.is_main_process()) {
-    fs::remove_all(fs::path(o.dir) / "checkpoints");
-  }
-  accelerator.wait_for_everyone();
+      tp::ProjectConfiguration().project_dir(dir).automatic_checkpoint_naming(true),
+      tp::Env::posix(), o.independent ? nullptr : group);
+  const bool owner = accelerator.is_main_process();  // empties, prunes and evicts `dir`
+  if (owner) fs::remove_all(fs::path(dir) / "checkpoints");
+  if (group) group->barrier("the benchmark's start");
 
   torch::manual_seed(0);
   tp::bench::S2Model s2 = tp::bench::make_s2_model(o.quick);
@@ -139,14 +155,13 @@ int run(const Options& o) {
   std::string newest = accelerator.save_state();
   std::vector<double> save_seconds, load_seconds;
   for (int rep = 0; rep < o.reps; ++rep) {
-    if (accelerator.is_main_process())
-      remove_older_checkpoints(fs::path(o.dir) / "checkpoints", newest);
-    save_seconds.push_back(timed(accelerator, [&] { newest = accelerator.save_state(); }));
-    if (accelerator.is_main_process()) {
-      remove_older_checkpoints(fs::path(o.dir) / "checkpoints", newest);
+    if (owner) remove_older_checkpoints(fs::path(dir) / "checkpoints", newest);
+    save_seconds.push_back(timed(group.get(), [&] { newest = accelerator.save_state(); }));
+    if (owner) {
+      remove_older_checkpoints(fs::path(dir) / "checkpoints", newest);
       if (!o.hot) evict(newest);
     }
-    load_seconds.push_back(timed(accelerator, [&] { accelerator.load_state(newest); }));
+    load_seconds.push_back(timed(group.get(), [&] { accelerator.load_state(newest); }));
   }
   // The machine's share of the work: every process copies as many bytes as the checkpoint holds,
   // at the same time, between the same barriers; on one process this is the copy a load must at
@@ -156,11 +171,11 @@ int run(const Options& o) {
     const std::size_t n = static_cast<std::size_t>(directory_bytes(newest));
     std::vector<std::uint8_t> from(n, 1), to(n, 0);  // both faulted in before timing
     for (int rep = 0; rep < o.reps; ++rep) {
-      memcpy_seconds.push_back(timed(accelerator, [&] { std::memcpy(to.data(), from.data(), n); }));
+      memcpy_seconds.push_back(timed(group.get(), [&] { std::memcpy(to.data(), from.data(), n); }));
       if (to[n / 2] != 1) throw std::logic_error("memcpy copied nothing");
     }
   }
-  if (!accelerator.is_main_process()) return 0;
+  if (rank != 0) return 0;
 
   const std::uint64_t bytes = directory_bytes(newest);
   if (o.json) {
@@ -169,7 +184,9 @@ int run(const Options& o) {
           std::pair{"accelerator_load", &load_seconds}, std::pair{"memcpy", &memcpy_seconds}}) {
       nlohmann::json line = {{"state", "S2"},
                              {"op", op},
-                             {"system", std::string(op) == "memcpy" ? "memcpy" : "torchpoint"},
+                             {"system", std::string(op) == "memcpy" ? "memcpy"
+                                        : o.independent             ? "independent"
+                                                                    : "torchpoint"},
                              {"processes", processes},
                              {"seconds", median(*seconds)},
                              {"bytes", bytes},
@@ -179,12 +196,15 @@ int run(const Options& o) {
     }
   } else {
     fmt::print("S2: {}\n", s2.description);
-    fmt::print("{} process(es), {} reps, checkpoint of {:.1f} MiB\n", processes, o.reps,
+    fmt::print("{} process(es){}, {} reps, checkpoint of {:.1f} MiB\n", processes,
+               o.independent ? " each saving and loading alone" : "", o.reps,
                static_cast<double>(bytes) / (1024.0 * 1024.0));
     fmt::print("save_state  median {:.3f} s ({:.0f} MB/s)\n", median(save_seconds),
                static_cast<double>(bytes) / median(save_seconds) / 1e6);
     fmt::print("load_state  median {:.3f} s ({}, {:.0f} MB/s)\n", median(load_seconds),
                o.hot ? "hot" : "cold", static_cast<double>(bytes) / median(load_seconds) / 1e6);
+    fmt::print("memcpy      median {:.3f} s (the same bytes, in every process at once)\n",
+               median(memcpy_seconds));
   }
   std::fflush(stdout);
   return 0;
@@ -198,7 +218,8 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     std::fprintf(stderr, "torchpoint_dist_bench: %s\n", e.what());
     std::fprintf(stderr,
-                 "usage: torchpoint_dist_bench --dir PATH [--reps N] [--hot] [--quick] [--json]\n");
+                 "usage: torchpoint_dist_bench --dir PATH [--reps N] [--hot] [--quick] [--json] "
+                 "[--system NAME]\n");
     return 1;
   }
 }
