@@ -50,7 +50,7 @@ struct S2Model {
   std::string description;
 };
 
-// 24 blocks of d=256 and a 32k vocabulary (about 24M parameters, 290 MB with Adam's moments), or
+// 24 blocks of d=256 and a 32k vocabulary (about 27M parameters, 314 MiB with Adam's moments), or
 // 2 blocks and a 2k vocabulary with `quick`. Gradients are randn, so call torch::manual_seed first
 // for the same state in every process.
 inline S2Model make_s2_model(bool quick) {
