@@ -17,6 +17,9 @@
 //          R is the rank it happens on; K counts this process's saves from 1; op:M is the M-th
 //          file-system call of that save on that rank.
 //   BATCH  samples per process per step (16).
+// With TORCHPOINT_TEST_ACCUMULATE=1 in the environment, every step accumulates the gradients of
+// the two halves of its batch: the first backward() under no_sync(), the second synchronized,
+// each of half the loss; rank 0 then logs "collectives <n>" (collectives it entered) at the end.
 #include <signal.h>
 #include <unistd.h>
 
@@ -68,6 +71,7 @@ int main(int argc, char** argv) {
   const bool first_attempt = env_int("TORCHELASTIC_RESTART_COUNT", 0) == 0;
   const std::string log = std::string(argv[2]) + "." + std::to_string(rank);
   const long batch = argc > 4 ? std::atol(argv[4]) : 16;
+  const bool accumulate = env_int("TORCHPOINT_TEST_ACCUMULATE", 0) == 1;
 
   char what[16] = "";
   int plan_rank = -1;
@@ -145,9 +149,22 @@ int main(int argc, char** argv) {
         optimizer.zero_grad();
         at::Tensor target = b.target.select(1, 0).unsqueeze(1);
         at::Tensor indices = b.target.select(1, 1).to(torch::kLong);
-        auto loss = torch::mse_loss(model->forward(b.data), target);
         // Every 7th step overflows: the scaler skips it on every rank alike.
-        acc.backward(counters.step % 7 == 3 ? loss * 1e38f * 1e10f : loss);
+        const float blow_up = counters.step % 7 == 3 ? 1e38f * 1e10f : 1.0f;
+        if (accumulate) {
+          const std::int64_t half = b.data.size(0) / 2;
+          {
+            auto local_only = acc.no_sync();
+            acc.backward(torch::mse_loss(model->forward(b.data.narrow(0, 0, half)),
+                                         target.narrow(0, 0, half)) *
+                         (0.5f * blow_up));
+          }
+          acc.backward(torch::mse_loss(model->forward(b.data.narrow(0, half, half)),
+                                       target.narrow(0, half, half)) *
+                       (0.5f * blow_up));
+        } else {
+          acc.backward(torch::mse_loss(model->forward(b.data), target) * blow_up);
+        }
         acc.optimizer_step(optimizer);
         ++counters.step;
         ++counters.batch_in_epoch;
@@ -188,6 +205,10 @@ int main(int argc, char** argv) {
     final_state.set_child("rng", acc.rng().state_dict());
     tp::testing::append_line(log,
                              "final " + tp::checksum_hex(tp::testing::state_digest(final_state)));
+    if (acc.process_group()) {
+      tp::testing::append_line(log,
+                               fmt::format("collectives {}", acc.process_group()->collectives()));
+    }
     if (acc.is_main_process()) {
       tp::save_file(std::string(argv[2]) + ".model.safetensors",
                     tp::module_state_dict(*model).to_container());

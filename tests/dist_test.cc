@@ -249,6 +249,32 @@ TEST(DistributedAccelerator, TwoAndFourProcessesStayIdenticalAndMatchOneProcess)
   }
 }
 
+// Gradient accumulation as Accelerate users write it: backward() of the first half of every batch
+// under no_sync() (no collective), then of the second half (one averaging). Ends where the plain
+// run on the same global batches ends, and enters exactly as many collectives as it.
+TEST(DistributedAccelerator, NoSyncAccumulatesLocallyAndAveragesOnce) {
+  tt::TempDir dir;
+  for (const char* sub : {"/plain", "/accumulate", "/one"}) {
+    std::filesystem::create_directories(dir.path() + sub);
+  }
+  ChildRun plain = run_child(dir.path() + "/plain", "log", 2, "none");
+  ASSERT_EQ(plain.status, 0) << plain.output;
+  ChildRun accumulated = run_child(dir.path() + "/accumulate", "log", 2, "none", 16, 1,
+                                   "TORCHPOINT_TEST_ACCUMULATE=1");
+  ASSERT_EQ(accumulated.status, 0) << accumulated.output;
+  ChildRun one = run_child(dir.path() + "/one", "log", 0, "none", 32);
+  ASSERT_EQ(one.status, 0) << one.output;
+
+  EXPECT_EQ(accumulated.logs[1].steps, accumulated.logs[0].steps);
+  ASSERT_EQ(accumulated.logs[0].steps.size(), plain.logs[0].steps.size());
+  ASSERT_EQ(plain.logs[0].other["collectives"].size(), 1u);
+  EXPECT_EQ(accumulated.logs[0].other["collectives"], plain.logs[0].other["collectives"]);
+  expect_close_models(dir.path() + "/accumulate/log.model.safetensors",
+                      dir.path() + "/plain/log.model.safetensors", 1e-6);
+  expect_close_models(dir.path() + "/accumulate/log.model.safetensors",
+                      dir.path() + "/one/log.model.safetensors", 1e-6);
+}
+
 // SIGKILL of one process at 24 seeded random moments (after a step, or before a file-system call
 // inside a save, on either rank); torchrun restarts the pair; each run ends bit-identical to the
 // uninterrupted run, no committed checkpoint ever lacks a file, and `torchpoint verify` accepts

@@ -80,6 +80,9 @@ class ProcessGroup {
   int local_size() const { return options_.local_world_size(); }
   int restart_count() const { return options_.restart_count(); }
   std::chrono::milliseconds timeout() const { return options_.timeout(); }
+  // How many collectives (barrier, broadcast, allreduce, allgather; a bucketed call counts one
+  // per bucket) this process has entered so far: the same on every rank of a healthy run.
+  std::uint64_t collectives() const { return collectives_; }
   const ProcessGroupOptions& options() const { return options_; }
 
   // Collectives: every rank calls the same ones in the same order. Each throws
