@@ -153,6 +153,124 @@ TEST(AccelerateLoops, EpochCheckpointsResumeExactly) {
   expect_resumes_exactly(Pattern::Epoch, /*drop_last=*/false);
 }
 
+// Accelerate's gradient accumulation loop (accumulate(model), gradient_accumulation_steps=4),
+// three epochs of 6 batches: it steps on every 4th batch and on every epoch's last (which starts
+// the count again), like a hand-written loop that sums loss / 4 and steps at the same batches,
+// bit for bit; it saves at every step, each checkpoint resumes to the same end; a save on a
+// batch that does not step is refused and writes nothing.
+struct AccumulationRun {
+  std::vector<int> stepped_at;  // the batches (counted over the run from 1) that stepped
+  std::vector<std::string> checkpoints;
+  at::Tensor weight;
+};
+
+AccumulationRun accumulation_loop(const std::string& project, bool use_accumulate,
+                                  const std::optional<std::string>& resume = std::nullopt,
+                                  int save_at_batch = -1) {
+  Accelerator acc(ProjectConfiguration().project_dir(project).automatic_checkpoint_naming(true));
+  torch::manual_seed(3);
+  torch::nn::Linear model(1, 1);
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.001));
+  auto loader = make_resumable_data_loader(Numbers().map(torch::data::transforms::Stack<>()),
+                                           torch::data::DataLoaderOptions().batch_size(kBatch),
+                                           /*shuffle=*/true, /*seed=*/11);
+  acc.prepare(model, optimizer, loader);
+  if (use_accumulate) acc.set_gradient_accumulation_steps(4);
+  if (resume) acc.load_state(*resume);
+  AccumulationRun run;
+  // Batches of the run before this one: whole epochs of 6, and the restored epoch's part.
+  int batch_number = 0;
+  if (resume) {
+    batch_number = static_cast<int>(loader->sampler().epoch()) * 6 +
+                   static_cast<int>((loader->sampler().samples_consumed() + kBatch - 1) / kBatch);
+  }
+  for (auto epoch = loader->sampler().next_epoch(); epoch < kEpochs; ++epoch) {
+    int in_epoch = 0;
+    for (auto& batch : *loader) {
+      ++batch_number;
+      ++in_epoch;
+      auto loss = [&] { return torch::mse_loss(model->forward(batch.data), batch.target); };
+      if (use_accumulate) {
+        auto accumulating = acc.accumulate();
+        acc.backward(loss());
+        if (batch_number == save_at_batch) acc.save_state();  // refused: does not step
+        if (acc.optimizer_step(optimizer)) run.stepped_at.push_back(batch_number);
+        if (acc.sync_gradients()) {
+          optimizer.zero_grad();
+          run.checkpoints.push_back(acc.save_state());
+        }
+      } else {
+        (loss() / 4).backward();
+        if (in_epoch % 4 == 0 || in_epoch == 6) {
+          optimizer.step();
+          optimizer.zero_grad();
+          run.stepped_at.push_back(batch_number);
+        }
+      }
+    }
+  }
+  run.weight = model->weight.detach().clone();
+  return run;
+}
+
+TEST(AccelerateLoops, GradientAccumulationStepsEveryNthBatchAndAtTheEpochsEnd) {
+  TempDir dir;
+  AccumulationRun by_hand = accumulation_loop(dir / "by_hand", /*use_accumulate=*/false);
+  AccumulationRun whole = accumulation_loop(dir / "run", /*use_accumulate=*/true);
+  EXPECT_EQ(whole.stepped_at, (std::vector<int>{4, 6, 10, 12, 16, 18}));
+  EXPECT_EQ(whole.stepped_at, by_hand.stepped_at);
+  EXPECT_TRUE(testing::bitwise_equal(whole.weight, by_hand.weight));
+  ASSERT_EQ(whole.checkpoints.size(), 6u);
+  for (std::size_t c = 0; c + 1 < whole.checkpoints.size(); ++c) {
+    SCOPED_TRACE(whole.checkpoints[c]);
+    TempDir copy_dir;
+    const std::string copy = copy_dir / "run";
+    const std::string name = std::filesystem::path(whole.checkpoints[c]).filename();
+    std::filesystem::create_directories(copy + "/checkpoints");
+    std::filesystem::copy(whole.checkpoints[c], copy + "/checkpoints/" + name,
+                          std::filesystem::copy_options::recursive);
+    AccumulationRun resumed =
+        accumulation_loop(copy, /*use_accumulate=*/true, copy + "/checkpoints/" + name);
+    std::vector<int> expected(whole.stepped_at.begin() + static_cast<std::ptrdiff_t>(c) + 1,
+                              whole.stepped_at.end());
+    EXPECT_EQ(resumed.stepped_at, expected);
+    EXPECT_TRUE(testing::bitwise_equal(resumed.weight, whole.weight));
+  }
+  TempDir refused;
+  testing::expect_error(
+      [&] { accumulation_loop(refused / "run", /*use_accumulate=*/true, std::nullopt, 7); },
+      ErrorCode::InvalidArgument, {"save_state()", "gradient accumulation", "sync_gradients()"});
+  // The refused save at batch 7 left the checkpoints of the steps at batches 4 and 6 alone.
+  std::vector<std::string> names;
+  for (const std::string& name : testing::list_sorted(refused / "run/checkpoints")) {
+    if (name != ".lock") names.push_back(name);
+  }
+  EXPECT_EQ(names, (std::vector<std::string>{"checkpoint_0", "checkpoint_1"}));
+}
+
+// Accumulating by hand with no_sync(): a save between an unsynchronized backward() and the
+// step is refused, like the accumulate() one; after the step it is fine.
+TEST(AccelerateLoops, SaveAfterABackwardUnderNoSyncIsRefused) {
+  TempDir dir;
+  Accelerator acc(ProjectConfiguration().project_dir(dir.path()));
+  torch::nn::Linear model(3, 1);
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
+  acc.prepare(model, optimizer);
+  auto x = torch::randn({8, 3});
+  {
+    auto local = acc.no_sync();
+    acc.backward(model->forward(x).pow(2).mean());
+  }
+  testing::expect_error([&] { acc.save_state(dir / "bad"); }, ErrorCode::InvalidArgument,
+                        {"save_state()", "no_sync()"});
+  EXPECT_FALSE(std::filesystem::exists(dir / "bad"));
+  acc.backward(model->forward(x).pow(2).mean());
+  EXPECT_TRUE(acc.optimizer_step(optimizer));
+  EXPECT_EQ(acc.save_state(dir / "ok"), dir / "ok");
+  testing::expect_error([&] { acc.set_gradient_accumulation_steps(0); }, ErrorCode::InvalidArgument,
+                        {"at least 1"});
+}
+
 // prepare() gives back what it was given, with its own type: a user's module class behind a
 // shared_ptr, a TORCH_MODULE holder and LibTorch's own holders, so the loop calls forward().
 struct NetImpl : torch::nn::Module {

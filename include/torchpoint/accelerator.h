@@ -153,7 +153,10 @@ class Accelerator {
   //   acc.optimizer_step(opt);
   class NoSync {
    public:
-    explicit NoSync(Accelerator& acc) : acc_(&acc), previous_(acc.no_sync_) { acc.no_sync_ = true; }
+    // `active` false: a guard that changes nothing (accumulate() on a synchronizing iteration).
+    explicit NoSync(Accelerator& acc, bool active = true) : acc_(&acc), previous_(acc.no_sync_) {
+      if (active) acc.no_sync_ = true;
+    }
     ~NoSync() {
       if (acc_) acc_->no_sync_ = previous_;
     }
@@ -169,6 +172,35 @@ class Accelerator {
     bool previous_;
   };
   [[nodiscard]] NoSync no_sync() { return NoSync(*this); }
+
+  // Gradient accumulation as Accelerate's Accelerator(gradient_accumulation_steps=n) with
+  // accumulate(model): each iteration of the loop runs inside accumulate(), which decides whether
+  // it synchronizes: every n-th iteration, and the last batch of a prepared loader's epoch
+  // (which also starts the count again). backward() divides the loss by n; on the other
+  // iterations it only accumulates gradients, locally (as under no_sync()), and
+  // optimizer_step() returns false without stepping. optimizer.zero_grad() cannot be intercepted
+  // in C++: zero the gradients only when sync_gradients(). save_state() on an iteration that does
+  // not synchronize, or after a backward() under no_sync() that no synchronized backward()
+  // followed, throws InvalidArgument: the accumulated gradients are not part of a checkpoint,
+  // so a run resumed from it would silently lose them.
+  //
+  // Example:
+  //   acc.set_gradient_accumulation_steps(4);
+  //   for (auto& batch : *loader) {
+  //     auto accumulating = acc.accumulate();
+  //     acc.backward(loss_of(batch));
+  //     acc.optimizer_step(optimizer);
+  //     if (acc.sync_gradients()) {
+  //       optimizer.zero_grad();
+  //       if (++updates % 100 == 0) acc.save_state();
+  //     }
+  //   }
+  void set_gradient_accumulation_steps(int steps);
+  int gradient_accumulation_steps() const { return accumulation_steps_; }
+  // Whether the current iteration's backward() averages over the processes and its
+  // optimizer_step() steps (true outside accumulate()).
+  bool sync_gradients() const { return sync_gradients_; }
+  [[nodiscard]] NoSync accumulate();
 
   // Backward passes run through backward() since the start of the run (restored by load_state).
   // Only acc.backward(loss) counts: a plain loss.backward() does not (a one-time warning on
@@ -469,6 +501,13 @@ class Accelerator {
   std::shared_ptr<ProcessGroup> group_;
   std::vector<std::shared_ptr<torch::nn::Module>> models_;
   bool no_sync_ = false;
+  int accumulation_steps_ = 1;
+  std::int64_t accumulation_count_ = 0;  // iterations since the count last started
+  bool sync_gradients_ = true;
+  // A backward() under no_sync() (or a non-synchronizing accumulate()) that no synchronized
+  // backward() or optimizer step has followed: its gradients exist in this process only.
+  bool unsynced_backward_ = false;
+  std::vector<ResumableSampler*> samplers_;  // the prepared loaders' samplers
   std::vector<Component> components_;
   GradScaler* scaler_ = nullptr;
   RngState rng_;

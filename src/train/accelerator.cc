@@ -210,6 +210,33 @@ void Accelerator::add_model(std::shared_ptr<torch::nn::Module> module) {
 void Accelerator::add_sampler(AnyStateful sampler, ResumableSampler& shardable) {
   add_component("sampler", std::move(sampler));
   if (group_) shardable.shard(group_->rank(), group_->size());
+  samplers_.push_back(&shardable);
+}
+
+void Accelerator::set_gradient_accumulation_steps(int steps) {
+  if (steps < 1) {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("set_gradient_accumulation_steps({}): the number of iterations whose "
+                            "gradients make one optimizer step must be at least 1",
+                            steps));
+  }
+  accumulation_steps_ = steps;
+}
+
+Accelerator::NoSync Accelerator::accumulate() {
+  // In the body of an epoch's last batch (the loader counted it, its loop has not ended).
+  bool last_batch = false;
+  for (const ResumableSampler* sampler : samplers_) {
+    last_batch = last_batch || sampler->consumed_but_unfinished();
+  }
+  if (last_batch) {
+    accumulation_count_ = 0;
+    sync_gradients_ = true;
+  } else {
+    ++accumulation_count_;
+    sync_gradients_ = accumulation_count_ % accumulation_steps_ == 0;
+  }
+  return NoSync(*this, /*active=*/!sync_gradients_);
 }
 
 void Accelerator::average_gradients() {
@@ -277,12 +304,15 @@ void Accelerator::backward(const at::Tensor& loss) {
       if (counts) counts->inside = false;
     }
   } inside(backward_counts_.get());
+  // Accelerate's mean over the accumulated iterations.
+  const at::Tensor scaled = accumulation_steps_ > 1 ? loss / accumulation_steps_ : loss;
   if (scaler_ != nullptr) {
-    scaler_->scale(loss).backward();
+    scaler_->scale(scaled).backward();
   } else {
-    loss.backward();
+    scaled.backward();
   }
   if (group_ && !no_sync_) average_gradients();
+  unsynced_backward_ = no_sync_;
   if (scaler_ != nullptr) {
     scaled_pending_ = true;  // until optimizer_step() consumes these gradients
     for (Watched& w : hooked_) w.had_gradient = has_gradient(w.param);
@@ -293,6 +323,8 @@ void Accelerator::backward(const at::Tensor& loss) {
 std::vector<bool> Accelerator::optimizer_step(
     std::initializer_list<std::reference_wrapper<torch::optim::Optimizer>> optimizers) {
   std::vector<bool> stepped;
+  if (!sync_gradients_) return std::vector<bool>(optimizers.size(), false);  // accumulating
+  unsynced_backward_ = false;
   for (torch::optim::Optimizer& optimizer : optimizers) {
     if (scaler_ == nullptr) {
       optimizer.step();
@@ -309,6 +341,8 @@ std::vector<bool> Accelerator::optimizer_step(
 }
 
 bool Accelerator::optimizer_step(torch::optim::Optimizer& optimizer) {
+  if (!sync_gradients_) return false;  // accumulating: a later iteration steps
+  unsynced_backward_ = false;
   if (scaler_ == nullptr) {
     optimizer.step();
     return true;
@@ -363,6 +397,20 @@ std::string Accelerator::begin_save(const std::string& output_dir) {
     throw Error(ErrorCode::InvalidArgument,
                 "save_state() needs an output directory: pass one, or use "
                 "ProjectConfiguration().project_dir(...).automatic_checkpoint_naming(true)");
+  }
+  if (!sync_gradients_ || unsynced_backward_) {
+    throw Error(
+        ErrorCode::InvalidArgument,
+        !sync_gradients_
+            ? fmt::format("save_state() on iteration {} of a gradient accumulation over {}, "
+                          "which does not step: the gradients accumulated since the last "
+                          "optimizer step are not part of a checkpoint, so a run resumed from "
+                          "it would lose them; save when acc.sync_gradients() is true",
+                          accumulation_count_ % accumulation_steps_, accumulation_steps_)
+            : std::string("save_state() after a backward() under no_sync() that no "
+                          "synchronized backward() or optimizer step followed: those "
+                          "gradients are not part of a checkpoint, so a run resumed from it "
+                          "would lose them; save after the optimizer step"));
   }
   check_no_step_on_scaled_gradients(/*saving=*/true);
   warn_about_uncounted_backwards();
@@ -637,6 +685,10 @@ LoadStateReport Accelerator::load_state(const std::string& input_dir) {
   }
   report.saved_world_size = saved_world;
   scaled_pending_ = false;  // the parameters were just replaced; no gradient is pending
+  // Every save is at a step boundary, where the accumulation count starts again.
+  accumulation_count_ = 0;
+  sync_gradients_ = true;
+  unsynced_backward_ = false;
 
   // A data position at the end of an epoch whose loop had not ended: the next iteration of that
   // loader yields no batch. Right for a loop that keeps its epoch in the checkpoint; a loop that
