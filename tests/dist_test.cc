@@ -504,3 +504,49 @@ TEST(DistributedLearner, KilledAndRestartedByTorchrunEndsLikeTheUninterruptedRun
     EXPECT_FALSE(std::filesystem::exists(dir.path() + "/" + sub + "/state.ckpt"));
   }
 }
+
+// A fit of 2 processes killed (no restart) after step 44, the middle of epoch 3 (16 steps of 2 x
+// 32 samples per epoch of 1000), resumed from auto_resume's save at step 40 (512 samples of the
+// epoch consumed) by 1 and by 3 processes: the epoch continues from sample 512 of its order, so
+// one process trains ceil(488 / 32) = 16 more steps in it, three ceil(488 / 96) = 6, then whole
+// epochs of 32 and 11 steps. The first step after the resume trains, on the process of rank 0,
+// the samples rank 0 trained in the 2-process run's step 41, from the same model: the same loss.
+TEST(DistributedLearner, ResumesOnAnotherNumberOfProcessesWhereTheEpochStood) {
+  tt::TempDir dir;
+  auto fit = [&](const std::string& log, int processes, const std::string& kill) {
+    std::string out = dir.path() + "/" + log + ".out";
+    std::string child =
+        fmt::format("{} {} {}/{} {} sync", LEARNER_CHILD, dir.path(), dir.path(), log, kill);
+    std::string command = processes == 1
+                              ? child
+                              : fmt::format(
+                                    "{} -m torch.distributed.run --standalone --nproc-per-node {} "
+                                    "--max-restarts 0 --monitor-interval 0.1 --no-python {}",
+                                    tt::python(), processes, child);
+    return std::system((command + " > " + out + " 2>&1").c_str());
+  };
+  ASSERT_NE(fit("pair", 2, "rank:1:batch:3:12"), 0);
+  const std::string saved = dir.path() + "/saved.ckpt";
+  std::filesystem::copy_file(dir.path() + "/state.ckpt", saved);
+  tt::ChildLog pair = tt::read_child_log(dir.path() + "/pair.0");
+  ASSERT_EQ(pair.steps.count(41), 1u);
+
+  for (int processes : {1, 3}) {
+    SCOPED_TRACE(fmt::format("{} process(es)", processes));
+    std::filesystem::remove_all(dir.path() + "/ckpts");
+    std::filesystem::copy_file(saved, dir.path() + "/state.ckpt",
+                               std::filesystem::copy_options::overwrite_existing);
+    const std::string log = fmt::format("on{}", processes);
+    ASSERT_EQ(fit(log, processes, "none"), 0) << tt::read_bytes(dir.path() + "/" + log + ".out");
+    const std::string rank0 = processes == 1 ? log : log + ".0";
+    tt::ChildLog resumed = tt::read_child_log(dir.path() + "/" + rank0);
+    EXPECT_EQ(resumed.count("resumed"), 1u);
+    EXPECT_EQ(resumed.count("done"), 1u);
+    const long per_epoch = processes == 1 ? 32 : 11, rest_of_epoch = processes == 1 ? 16 : 6;
+    ASSERT_FALSE(resumed.steps.empty());
+    EXPECT_EQ(resumed.steps.begin()->first, 41);
+    EXPECT_EQ(resumed.steps.rbegin()->first, 40 + rest_of_epoch + 3 * per_epoch);
+    EXPECT_EQ(resumed.steps.size(), static_cast<std::size_t>(rest_of_epoch + 3 * per_epoch));
+    EXPECT_EQ(resumed.steps.find(41)->second, pair.steps.find(41)->second);
+  }
+}
