@@ -48,6 +48,8 @@ const char* op_name(Op op) {
       return "stat";
     case Op::Lock:
       return "lock";
+    case Op::Link:
+      return "link";
   }
   return "?";
 }
@@ -56,7 +58,8 @@ const std::set<Op>& all_ops() {
   static const std::set<Op> ops = {Op::Open,      Op::Write,  Op::Read,  Op::Sync,
                                    Op::Truncate,  Op::Close,  Op::Size,  Op::Map,
                                    Op::SyncDir,   Op::Rename, Op::Mkdir, Op::RemoveFile,
-                                   Op::RemoveDir, Op::List,   Op::Stat,  Op::Lock};
+                                   Op::RemoveDir, Op::List,   Op::Stat,  Op::Lock,
+                                   Op::Link};
   return ops;
 }
 
@@ -333,6 +336,14 @@ void FaultEnv::rename(const std::string& from, const std::string& to, bool repla
 void FaultEnv::exchange(const std::string& a, const std::string& b) {
   before(Op::Rename, a);
   base_.exchange(a, b);
+}
+
+void FaultEnv::link(const std::string& existing, const std::string& new_path) {
+  before(Op::Link, new_path);
+  base_.link(existing, new_path);
+  // The file's bytes were durable under `existing`; the new name is a directory entry, undone by
+  // a power cut until its directory is synced.
+  record_dir_op({DirOp::Create, new_path, "", parent_path(new_path), std::nullopt});
 }
 
 void FaultEnv::mkdir(const std::string& path) {

@@ -37,6 +37,7 @@ enum class Op {
   List,
   Stat,
   Lock,
+  Link,
 };
 const char* op_name(Op op);
 // Every op.
@@ -91,6 +92,7 @@ class FaultEnv : public Env {
   void sync_dir(const std::string& dir) override;
   // Not modelled by simulate_power_cut(): the tests of overwriting do not cut power.
   void exchange(const std::string& a, const std::string& b) override;
+  void link(const std::string& existing, const std::string& new_path) override;
   void rename(const std::string& from, const std::string& to, bool replace) override;
   void mkdir(const std::string& path) override;
   void remove_file(const std::string& path) override;

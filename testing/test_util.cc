@@ -110,6 +110,12 @@ std::uint64_t file_size(const std::string& path) {
   return static_cast<std::uint64_t>(st.st_size);
 }
 
+std::uint64_t file_link_count(const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) throw std::runtime_error("stat failed for " + path);
+  return static_cast<std::uint64_t>(st.st_nlink);
+}
+
 std::vector<std::string> list_sorted(const std::string& dir) {
   std::vector<std::string> names = Env::posix().list_dir(dir);
   std::sort(names.begin(), names.end());

@@ -81,6 +81,8 @@ void flip_bit(const std::string& path, std::uint64_t offset, int bit);
 void make_manifest_newer(const std::string& manifest_path);
 void truncate_to(const std::string& path, std::uint64_t size);
 std::uint64_t file_size(const std::string& path);
+// The number of names (hard links) of the file at `path`.
+std::uint64_t file_link_count(const std::string& path);
 // Names in `dir`, sorted.
 std::vector<std::string> list_sorted(const std::string& dir);
 

@@ -897,6 +897,65 @@ TEST(CliExport, TorchLoadReadsEveryValue) {
   expect_python_loads(opt, optimizer_state(1), p.tmp / "expected_opt.json");
 }
 
+// A sharded component is one component to every command: the same digest, no difference
+// from the same state in one file, verified, shown, exported whole; ls tells the shared bytes.
+TEST(CliSharded, EveryCommandTreatsAShardedComponentAsOne) {
+  TempDir tmp;
+  StateDict model;
+  model.set("frozen.weight", testing::make_tensor(at::kFloat, {512, 1024}, 1));  // 2 MiB
+  model.set("head.weight", testing::make_tensor(at::kFloat, {64, 1024}, 2));
+  model.set("head.bias", testing::make_tensor(at::kFloat, {64}, 3));
+  model.set("frozen.count", testing::make_tensor(at::kLong, {300000}, 4));  // 2.3 MiB
+  std::vector<Component> components = {{"model", model.to_container()},
+                                       {"optimizer", {{{"step", torch::ones({1})}}, {}}}};
+  SaveDirectoryOptions sharded;
+  sharded.shard_size = std::uint64_t{2} << 20;
+  sharded.frozen = {"model/frozen.weight", "model/frozen.count"};
+  const std::string first = tmp / "runs/checkpoint_0", second = tmp / "runs/checkpoint_1";
+  save_directory(first, components, {}, Env::posix(), sharded);
+  // A training step changes the head in place; the frozen tensors keep their bytes.
+  static_cast<std::uint8_t*>(model.tensor("head.weight").data_ptr())[100] ^= 0x10;
+  save_directory(tmp / "whole", components);
+  sharded.link_from = first;
+  save_directory(second, components, {}, Env::posix(), sharded);
+
+  EXPECT_EQ(digest_of(tp({"digest", second})), digest_of(tp({"digest", tmp / "whole"})));
+  EXPECT_EQ(digest_of(tp({"digest", second, "--component", "model"})),
+            digest_of(tp({"digest", tmp / "whole", "--component", "model"})));
+  Result diff = tp({"diff", tmp / "whole", second});
+  EXPECT_EQ(diff.status, 0) << diff.out << diff.err;
+  Result verified = tp({"verify", first, second});
+  EXPECT_EQ(verified.status, 0) << verified.out << verified.err;
+  Result shown = tp({"show", second});
+  ASSERT_EQ(shown.status, 0) << shown.err;
+  EXPECT_NE(shown.out.find("3 shards model-*-of-00003.safetensors and "
+                           "model.safetensors.index.json"),
+            std::string::npos)
+      << shown.out;
+  EXPECT_NE(shown.out.find("frozen.count"), std::string::npos) << shown.out;
+  std::string pt = tmp / "model.pt";
+  Result exported = tp({"export", second, pt});
+  ASSERT_EQ(exported.status, 0) << exported.err;
+  EXPECT_NE(exported.out.find("wrote 4 tensors of component 'model'"), std::string::npos)
+      << exported.out;
+  expect_python_loads(pt, model, tmp / "expected.json");
+
+  // Both checkpoints share the two frozen shards, and say so.
+  std::uint64_t shared = testing::file_size(second + "/model-00001-of-00003.safetensors") +
+                         testing::file_size(second + "/model-00002-of-00003.safetensors");
+  Result ls = tp({"ls", tmp / "runs", "--json"});
+  ASSERT_EQ(ls.status, 0) << ls.err;
+  Json listing = Json::parse(ls.out);
+  ASSERT_EQ(listing["checkpoints"].size(), 2u);
+  for (const Json& c : listing["checkpoints"]) {
+    EXPECT_EQ(c["shared_bytes"], shared) << c.dump();
+    EXPECT_EQ(c["status"], "valid");
+  }
+  Result table = tp({"ls", tmp / "runs"});
+  EXPECT_NE(table.out.find("SHARED"), std::string::npos) << table.out;
+  EXPECT_NE(table.out.find(std::to_string(shared)), std::string::npos) << table.out;
+}
+
 // Peak resident memory, in bytes, of one run of the CLI with `args` (its exit status must be 0),
 // measured by tests/python/peak_rss.py.
 std::int64_t peak_rss_of(const std::vector<std::string>& args) {
@@ -920,9 +979,11 @@ TEST(CliExport, MemoryStaysNearTheCheckpointSize) {
   for (int i = 0; i < 3; ++i) {
     model.tensors.emplace_back(fmt::format("layer{}.weight", i), torch::randn({16 << 20}));
   }
-  save_directory(checkpoint, {{"model", model}});
-  const std::int64_t file_bytes =
-      static_cast<std::int64_t>(testing::file_size(checkpoint + "/model.safetensors"));
+  save_directory(checkpoint, {{"model", model}});  // 192 MiB: two shards of the default size
+  std::int64_t file_bytes = 0;
+  for (const std::string& name : testing::list_sorted(checkpoint)) {
+    file_bytes += static_cast<std::int64_t>(testing::file_size(checkpoint + "/" + name));
+  }
   const std::int64_t verify_peak = peak_rss_of({"verify", checkpoint});
   const std::int64_t export_peak =
       peak_rss_of({"export", checkpoint, tmp / "model.pt", "--component", "model"});

@@ -2,7 +2,8 @@
 //
 // Usage: crash_child ROOT FIRST. Saves ROOT/checkpoint_FIRST, checkpoint_FIRST+1, ... each
 // holding crash_state(i), prints "ready" once started and "committed i" after each save
-// returns, and keeps the newest three (deleting older ones after each commit).
+// returns, and keeps the newest three (deleting older ones after each commit). With
+// TORCHPOINT_CRASH_SHARDED=1, sharded and linking from the previous checkpoint (crash_state.h).
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -23,8 +24,12 @@ int main(int argc, char** argv) {
   for (;; ++i) {
     torchpoint::CheckpointInfo info;
     info.step = static_cast<std::int64_t>(i);
+    std::string previous =
+        i > 0 ? torchpoint::join_path(root, torchpoint::checkpoint_name(i - 1)) : std::string();
     torchpoint::save_directory(torchpoint::join_path(root, torchpoint::checkpoint_name(i)),
-                               torchpoint::testing::crash_state(i), info);
+                               torchpoint::testing::crash_state(i), info,
+                               torchpoint::Env::posix(),
+                               torchpoint::testing::crash_options(previous));
     std::printf("committed %llu\n", static_cast<unsigned long long>(i));
     std::fflush(stdout);
     if (i >= 3) {

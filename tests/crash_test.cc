@@ -2,6 +2,7 @@
 // after every kill that the newest committed checkpoint loads, verifies and holds exactly the
 // state saved under its name, and that every save the child reported as committed survived.
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -91,9 +92,9 @@ void expect_holds(const std::string& path, std::uint64_t i) {
   }
 }
 
-TEST(Crash, SigkillAtRandomMomentsNeverLosesOrTearsACommittedCheckpoint) {
+void sigkill_at_random_moments(int default_kills) {
   const char* kills_env = std::getenv("TORCHPOINT_CRASH_KILLS");
-  const int kills = kills_env ? std::atoi(kills_env) : 100;
+  const int kills = kills_env ? std::atoi(kills_env) : default_kills;
   const char* seed_env = std::getenv("TORCHPOINT_CRASH_SEED");
   const std::uint64_t seed =
       seed_env ? std::strtoull(seed_env, nullptr, 10) : std::random_device{}();
@@ -149,7 +150,7 @@ TEST(Crash, SigkillAtRandomMomentsNeverLosesOrTearsACommittedCheckpoint) {
       expect_holds(join_path(root, checkpoint_name(present.back())), present.back());
       next = present.back() + 1;
     }
-    if (HasFatalFailure()) return;
+    if (::testing::Test::HasFatalFailure()) return;
   }
   std::printf("crash test: %d kills, %llu commits observed, newest checkpoint_%llu\n", kills,
               static_cast<unsigned long long>(total_commits),
@@ -157,10 +158,34 @@ TEST(Crash, SigkillAtRandomMomentsNeverLosesOrTearsACommittedCheckpoint) {
   // Most kills must come after some commit, or the test would exercise little.
   EXPECT_GT(total_commits, static_cast<std::uint64_t>(kills) / 3) << "kills came too early";
   // The next writer sweeps what the killed ones left behind.
-  save_directory(join_path(root, checkpoint_name(next)), testing::crash_state(next));
+  save_directory(join_path(root, checkpoint_name(next)), testing::crash_state(next), {},
+                 Env::posix(),
+                 testing::crash_options(next > 0 ? join_path(root, checkpoint_name(next - 1))
+                                                  : std::string()));
   for (const std::string& name : Env::posix().list_dir(root)) {
     EXPECT_FALSE(is_temp_name(name)) << name << " was left behind";
   }
+  if (testing::crash_sharded()) {
+    // The saves did link: the last one shares its frozen shards with the one before.
+    struct ::stat st;
+    std::string shard = join_path(join_path(root, checkpoint_name(next)),
+                                  "model-00001-of-00003.safetensors");
+    ASSERT_EQ(::stat(shard.c_str(), &st), 0) << shard;
+    EXPECT_GE(st.st_nlink, 2u) << shard;
+  }
+}
+
+TEST(Crash, SigkillAtRandomMomentsNeverLosesOrTearsACommittedCheckpoint) {
+  ::unsetenv("TORCHPOINT_CRASH_SHARDED");
+  sigkill_at_random_moments(100);
+}
+
+// Kills during saves that hard-link the frozen shards of the previous checkpoint while
+// retention deletes the oldest: every committed checkpoint stays whole on its own.
+TEST(Crash, SigkillDuringIncrementalShardedSavesNeverTearsACommittedCheckpoint) {
+  ::setenv("TORCHPOINT_CRASH_SHARDED", "1", 1);
+  sigkill_at_random_moments(60);
+  ::unsetenv("TORCHPOINT_CRASH_SHARDED");
 }
 
 }  // namespace

@@ -51,8 +51,22 @@ using testing::TempDir;
 constexpr PowerCutMode kModes[] = {PowerCutMode::DropUnsynced, PowerCutMode::RandomPrefix,
                                    PowerCutMode::Garbage};
 
+// On in the *Sharded* variants of the tests (ShardedMode): every Project also prepares a frozen
+// backbone, which its checkpoints hold as two shards of their own (the shard size is 2 KiB), so
+// each save after the first in one run hard-links them from the checkpoint before: the same
+// sweeps then judge sharded, incremental checkpoints.
+bool sharded_mode = false;
+
+struct ShardedMode {
+  ShardedMode() { sharded_mode = true; }
+  ~ShardedMode() { sharded_mode = false; }
+};
+
 ProjectConfiguration automatic(const std::string& dir) {
-  return ProjectConfiguration().project_dir(dir).automatic_checkpoint_naming(true);
+  ProjectConfiguration config =
+      ProjectConfiguration().project_dir(dir).automatic_checkpoint_naming(true);
+  if (sharded_mode) config.shard_size(2048);
+  return config;
 }
 
 // A small run whose parameters say which save wrote them: every value derives from a mark,
@@ -62,12 +76,20 @@ ProjectConfiguration automatic(const std::string& dir) {
 struct Project {
   FaultEnv fast;
   torch::nn::Linear model{torch::nn::LinearOptions(4, 3)};
+  torch::nn::Linear backbone{torch::nn::LinearOptions(32, 32)};  // sharded_mode only: model_1
   Accelerator acc;
 
   explicit Project(ProjectConfiguration config, Env* env = nullptr)
       : acc(std::move(config), env != nullptr ? *env : fast) {
     fast.set_real_syncs(false);
     acc.prepare(model);
+    if (sharded_mode) {
+      torch::NoGradGuard no_grad;
+      backbone->weight.copy_(testing::make_tensor(at::kFloat, {32, 32}, 4444));
+      backbone->bias.copy_(testing::make_tensor(at::kFloat, {32}, 4445));
+      for (at::Tensor& p : backbone->parameters()) p.requires_grad_(false);
+      acc.prepare(backbone);
+    }
   }
 
   void mark(std::int64_t mark) {
@@ -351,6 +373,14 @@ TEST(Barriers, PowerCutsCatchEveryMissingSyncOfADirectoryCheckpoint) {
                                check_project, 11);
 }
 
+TEST(Barriers, PowerCutsCatchEveryMissingSyncOfAShardedIncrementalCheckpoint) {
+  ShardedMode sharded;
+  // As above, plus the backbone's two shards and index in the first save and its index in the
+  // second, whose shards are links: new directory entries made durable by the temporary's sync.
+  expect_every_barrier_matters("sharded directory (links in the second save)",
+                               two_accelerator_saves, check_project, 15);
+}
+
 // File checkpoints: state.ckpt written, then replaced (the luz auto-resume file).
 at::Tensor file_tensor(int version) {
   return testing::make_tensor(at::kFloat, {257}, 1000 + static_cast<std::uint64_t>(version));
@@ -408,7 +438,7 @@ struct Counter {
   void load_state_dict(const StateDict& s) { value = s.get<std::int64_t>("value"); }
 };
 
-TEST(Corruption, TruncationsAndBitFlipsOfEveryFileAreDetectedAndLoadStateFallsBack) {
+void corruption_sweep() {
   TempDir dir;
   const std::string project = dir / "proj";
   Counter counter;
@@ -429,6 +459,9 @@ TEST(Corruption, TruncationsAndBitFlipsOfEveryFileAreDetectedAndLoadStateFallsBa
   // Every damaged state must be refused by load_directory (Corruption) and by verify, and
   // load_state must fall back to checkpoint_0, naming checkpoint_1 in its warning.
   std::uint64_t fallbacks = 0;
+  const std::string previous = project + "/checkpoints/checkpoint_0";
+  // A shard that checkpoint_1 shares with checkpoint_0 (a hard link) is damaged in both.
+  bool shared = false;
   auto expect_detected = [&](const std::string& what, std::uint64_t index) {
     SCOPED_TRACE(what);
     try {
@@ -442,6 +475,14 @@ TEST(Corruption, TruncationsAndBitFlipsOfEveryFileAreDetectedAndLoadStateFallsBa
     if (verify(target).ok()) {
       ADD_FAILURE() << what << ": verify passed the damaged checkpoint";
       return false;
+    }
+    if (shared) {
+      if (verify(previous).ok()) {
+        ADD_FAILURE() << what << ": a shard shared with " << previous << " was damaged, but "
+                      << previous << " verifies";
+        return false;
+      }
+      return true;
     }
     // load_state's fall-back is slower (it restores a model): every 7th case is enough.
     if (index % 7 == 0) {
@@ -471,6 +512,10 @@ TEST(Corruption, TruncationsAndBitFlipsOfEveryFileAreDetectedAndLoadStateFallsBa
   std::uint64_t index = 0;
   for (std::size_t f = 0; f < files.size(); ++f) {
     const std::string path = target + "/" + files[f];
+    shared = testing::file_link_count(path) > 1;
+    if (sharded_mode && files[f].find("-of-") != std::string::npos) {
+      EXPECT_TRUE(shared) << path << " should be a link to checkpoint_0's shard";
+    }
     const std::string pristine = testing::read_bytes(path);
     const std::uint64_t size = pristine.size();
     ASSERT_GT(size, 1u) << path;
@@ -541,6 +586,17 @@ TEST(Corruption, TruncationsAndBitFlipsOfEveryFileAreDetectedAndLoadStateFallsBa
       static_cast<unsigned long long>(truncations), static_cast<unsigned long long>(flips_detected),
       static_cast<unsigned long long>(flips), static_cast<unsigned long long>(blocks_detected),
       static_cast<unsigned long long>(blocks), static_cast<unsigned long long>(fallbacks));
+}
+
+TEST(Corruption, TruncationsAndBitFlipsOfEveryFileAreDetectedAndLoadStateFallsBack) {
+  corruption_sweep();
+}
+
+// The same over a checkpoint whose backbone shards are hard links to the previous checkpoint's:
+// damage to those shows in both, and verify reports it in both.
+TEST(Corruption, TruncationsAndBitFlipsOfEveryFileOfAShardedIncrementalCheckpoint) {
+  ShardedMode sharded;
+  corruption_sweep();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -671,8 +727,8 @@ TEST(Retention, DiskFullAtEveryBudgetNeverCostsTheNewestCheckpoint) {
       static_cast<unsigned long long>(runs), static_cast<unsigned long long>(failed_saves));
 }
 
-TEST(Retention, KilledAtEveryCallOfASaveAndItsDeletionsKeepsTheNewest) {
-  std::uint64_t kills = 0, during_deletion = 0;
+void killed_at_every_call() {
+  std::uint64_t kills = 0, during_deletion = 0, linked = 0;
   for (std::int64_t n : {1, 2, 3}) {
     for (std::int64_t base : {10, 100000}) {
       for (std::uint64_t k = 1;; ++k) {
@@ -685,16 +741,25 @@ TEST(Retention, KilledAtEveryCallOfASaveAndItsDeletionsKeepsTheNewest) {
         env.set_real_syncs(false);
         std::uint64_t seen = 0;
         bool killed = false, deleting = false;
-        env.set_before_op([&](Op op, const std::string& path) {
+        auto hook = [&](Op op, const std::string& path) {
           // Retention renames a committed checkpoint away before removing it.
           if (op == Op::Rename && parse_checkpoint_name(base_name(path))) deleting = true;
+          if (op == Op::Link) ++linked;
           if (++seen >= k) {
             killed = true;
             throw Killed{};
           }
-        });
+        };
+        if (!sharded_mode) env.set_before_op(hook);
         {
           Project p(automatic(project).total_limit(n).iteration(base), &env);
+          if (sharded_mode) {
+            // A resumed run, whose save links the backbone's shards from the one it loaded
+            // while retention deletes the oldest checkpoints.
+            StderrCapture quiet;
+            p.acc.load_state();
+            env.set_before_op(hook);
+          }
           try {
             p.save();
           } catch (const Killed&) {
@@ -713,11 +778,22 @@ TEST(Retention, KilledAtEveryCallOfASaveAndItsDeletionsKeepsTheNewest) {
     }
   }
   EXPECT_GT(during_deletion, 0u);
+  if (sharded_mode) {
+    EXPECT_GT(linked, 0u);
+  }
   std::printf(
       "kills: %llu (total_limit 1-3, checkpoint numbers crossing 9->10 and "
-      "99999->100000), %llu of them while deleting old checkpoints; every restart "
-      "resumed from the newest valid checkpoint\n",
-      static_cast<unsigned long long>(kills), static_cast<unsigned long long>(during_deletion));
+      "99999->100000), %llu of them while deleting old checkpoints, %llu shard links made; "
+      "every restart resumed from the newest valid checkpoint\n",
+      static_cast<unsigned long long>(kills), static_cast<unsigned long long>(during_deletion),
+      static_cast<unsigned long long>(linked));
+}
+
+TEST(Retention, KilledAtEveryCallOfASaveAndItsDeletionsKeepsTheNewest) { killed_at_every_call(); }
+
+TEST(Retention, KilledAtEveryCallOfAShardedSaveThatLinksKeepsTheNewest) {
+  ShardedMode sharded;
+  killed_at_every_call();
 }
 
 // The checks above can fail: Accelerate's order (delete the oldest checkpoint to make room, then

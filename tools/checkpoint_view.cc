@@ -88,7 +88,17 @@ CheckpointView open_directory(Env& env, const std::string& path) {
     component.name = c.name;
     component.file = component_file_name(c.name);
     for (const ManifestFile& f : manifest.files) {
-      if (f.component == c.name) component.file_size = f.size;
+      if (f.component != c.name) continue;
+      component.file_size += f.size;
+      if (f.shards > 0) {
+        component.file = fmt::format("{} shards {}-*-of-{:05d}{}", f.shards, c.name, f.shards,
+                                     kContainerExtension);
+      }
+    }
+    for (const ManifestShardIndex& index : manifest.shard_indexes) {
+      if (index.component != c.name) continue;
+      component.file += " and " + index.name;
+      component.file_size += index.size;
     }
     view.size_bytes += component.file_size;
     component.state = to_state_dict(c.contents);

@@ -38,6 +38,7 @@ Json to_json(const CheckpointListing& listing) {
         {"step", e.step ? Json(*e.step) : Json(nullptr)},
         {"processes", e.is_directory ? Json(world_size_of(e.metadata)) : Json(nullptr)},
         {"size_bytes", e.size_bytes},
+        {"shared_bytes", e.shared_bytes},
         {"modified_unix_ms", e.commit_time_ms},
         {"modified", iso_time(e.commit_time_ms)},
         {"status", checkpoint_status_name(e.status)},
@@ -62,15 +63,18 @@ int run_ls(const LsOptions& options, std::ostream& out) {
     return kExitOk;
   }
   out << fmt::format(
-      "checkpoints in {} (* = the latest valid one, which loading the latest picks)\n",
+      "checkpoints in {} (* = the latest valid one, which loading the latest picks; SHARED = "
+      "bytes of SIZE in files hard-linked with other checkpoints)\n",
       listing.dir);
   Table table(
-      {" ", "NAME", "NUMBER", "STEP", "PROCS", "SIZE", "MODIFIED (UTC)", "METRICS", "STATUS"});
+      {" ", "NAME", "NUMBER", "STEP", "PROCS", "SIZE", "SHARED", "MODIFIED (UTC)", "METRICS",
+       "STATUS"});
   for (const ListedCheckpoint& e : listing.entries) {
     table.add({e.latest ? "*" : " ", e.name + (e.is_directory ? "/" : ""),
                e.number ? std::to_string(*e.number) : "-", e.step ? std::to_string(*e.step) : "-",
                e.is_directory ? std::to_string(world_size_of(e.metadata)) : "-",
-               std::to_string(e.size_bytes), iso_time(e.commit_time_ms), metrics_text(e),
+               std::to_string(e.size_bytes), std::to_string(e.shared_bytes),
+               iso_time(e.commit_time_ms), metrics_text(e),
                checkpoint_status_name(e.status)});
   }
   table.print(out);

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "torchpoint/async_save.h"
+#include "torchpoint/checkpoint_dir.h"
 #include "torchpoint/data_loader.h"
 #include "torchpoint/env.h"
 #include "torchpoint/error.h"
@@ -68,6 +69,15 @@ struct ProjectConfiguration {
   TORCH_ARG(std::optional<std::int64_t>, total_limit) = std::nullopt;
   // The number of the next automatically named checkpoint.
   TORCH_ARG(std::int64_t, iteration) = 0;
+  // A component whose tensors hold more than this many bytes is saved as shards in Hugging
+  // Face's layout (model-00001-of-00003.safetensors ... and model.safetensors.index.json), the
+  // model's frozen parameters and buffers in shards of their own; 0: never shard. See
+  // SaveDirectoryOptions::shard_size.
+  TORCH_ARG(std::uint64_t, shard_size) = SaveDirectoryOptions::kDefaultShardSize;
+  // A shard bit-identical to the same shard of the previous checkpoint this Accelerator saved
+  // or loaded is hard-linked from it instead of written again (compared by checksums of the
+  // bytes in memory at every save). Each checkpoint stays complete on its own.
+  TORCH_ARG(bool, incremental) = true;
 };
 
 // What load_state() restored.
@@ -492,6 +502,8 @@ class Accelerator {
   std::vector<std::string> component_names() const;
   std::string checkpoints_dir() const;
   void apply_total_limit(const std::string& just_written);
+  // How this save writes its directory: shards, the frozen tensors, what to link from.
+  SaveDirectoryOptions directory_options(bool overwrite) const;
   // save_state() and save_state_async(): a synchronous save when `saver` is null.
   std::string save_state_with(const std::string& output_dir, bool overwrite,
                               AsyncCheckpointer* saver, SaveHandle* handle);
@@ -513,6 +525,8 @@ class Accelerator {
   RngState rng_;
   std::int64_t step_ = 0;
   std::string resumed_from_;
+  // The checkpoint this Accelerator last saved or loaded: what an incremental save links from.
+  std::string last_checkpoint_;
   // The first checkpoint number this run writes after load_state(): checkpoints numbered
   // between resumed_from_'s and this one were there before and are kept by retention.
   std::int64_t first_own_number_ = 0;

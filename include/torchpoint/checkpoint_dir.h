@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "torchpoint/env.h"
@@ -40,6 +41,25 @@ struct SaveDirectoryOptions {
   // checkpoint: fsynced, listed in the manifest with their size and XXH3 ("extra_files"), and
   // verified on load. A subdirectory, a link or a file named like a component is an error.
   std::function<void(const std::string& dir)> before_components;
+  // A component whose tensors hold more than this many bytes is written as shards of at most
+  // about this size, in Hugging Face's layout: <name>-00001-of-0000N.safetensors ... and
+  // <name>.safetensors.index.json. Each shard is a whole container with its checksums; two are
+  // written at once. 0: never shard. Loading gives the component whole, as if it were one file.
+  std::uint64_t shard_size = kDefaultShardSize;
+  // Tensors expected to keep their bytes from save to save (frozen parameters, buffers), as
+  // "<component>/<tensor>": a sharded component keeps them in shards of their own, so that
+  // those shards come out unchanged and can be shared (see link_from).
+  std::unordered_set<std::string> frozen;
+  // A committed directory checkpoint (normally the newest one) whose shards this save may
+  // share: a shard whose tensors have the same names, dtypes, shapes and XXH3 checksums as
+  // that checkpoint's shard of the same name (and the same non-tensor state) is hard-linked
+  // from it instead of written again, or written when the file system refuses the link. The
+  // bytes are compared every time, so a tensor changed in place is always written. Each
+  // checkpoint stays complete: deleting either one leaves the other whole. Empty, missing or
+  // unreadable: every shard is written.
+  std::string link_from;
+
+  static constexpr std::uint64_t kDefaultShardSize = std::uint64_t{128} << 20;
 };
 
 // Writes a directory checkpoint at `path`, which must not exist, or be an empty directory (or,

@@ -39,6 +39,10 @@ struct ListedCheckpoint {
   std::optional<std::int64_t> step;
   Json metadata;                 // manifest "metadata" (file: {"metrics": ...}); null when unknown
   std::uint64_t size_bytes = 0;  // all files in it (a directory is not descended into)
+  // Of size_bytes, the bytes of files with other names too (hard links): the shards an
+  // incremental save shares with other checkpoints. Deleting this checkpoint frees
+  // size_bytes - shared_bytes (or more, when the others are gone).
+  std::uint64_t shared_bytes = 0;
   std::int64_t commit_time_ms = 0;  // Unix time of manifest.json (the commit), else of the entry
   bool latest = false;              // the newest valid one
   bool temporary = false;           // a save in progress, or the leftover of one that died

@@ -86,6 +86,8 @@ struct FileInfo {
   bool is_symlink = false;
   bool is_regular = false;  // a regular file (not a FIFO, socket, device); of the target
   std::uint64_t size = 0;
+  std::uint64_t links = 0;       // hard links to the file (st_nlink)
+  std::int64_t modified_ns = 0;  // last change of the contents (st_mtim), in ns since the epoch
 };
 
 class Env {
@@ -108,6 +110,10 @@ class Env {
   // instant. This default throws Unsupported.
   virtual void exchange(const std::string& a, const std::string& b);
   virtual void mkdir(const std::string& path) = 0;
+  // A second name `new_path` for the existing regular file `existing` (link(2)): how an
+  // incremental save shares an unchanged shard with an older checkpoint. Durable once the new
+  // name's directory is synced. This default throws Unsupported (the caller copies instead).
+  virtual void link(const std::string& existing, const std::string& new_path);
   virtual void remove_file(const std::string& path) = 0;
   // Removes an empty directory.
   virtual void remove_dir(const std::string& path) = 0;

@@ -41,6 +41,7 @@ void describe_directory(Env& env, ListedCheckpoint& entry, bool check) {
     for (const std::string& name : env.list_dir(entry.path)) {
       FileInfo info = env.stat(join_path(entry.path, name));
       if (!info.is_directory) entry.size_bytes += info.size;
+      if (info.is_regular && !info.is_symlink && info.links > 1) entry.shared_bytes += info.size;
     }
   } catch (const Error& e) {
     entry.problems.push_back(e.what());

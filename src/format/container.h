@@ -68,8 +68,11 @@ struct WrittenFile {
 };
 
 // Writes `contents` into a new file at `path` (created exclusively), fsyncs and closes it.
-// Large files bypass the page cache (O_DIRECT) where the file system allows it.
-WrittenFile write_container(Env& env, const std::string& path, const Container& contents);
+// Large files bypass the page cache (O_DIRECT) where the file system allows it. With
+// `hugging_face_format`, __metadata__ also says "format": "pt", as Hugging Face's loaders of
+// sharded checkpoints require (shard files have it; other files keep the 1.0 bytes).
+WrittenFile write_container(Env& env, const std::string& path, const Container& contents,
+                            bool hugging_face_format = false);
 
 // Parses and validates the header of a container of `file_size` bytes whose first bytes are
 // `prefix` (at least 8 + header length of them). Every rule that does not need the data is

@@ -115,7 +115,7 @@ std::vector<PlannedTensor> plan(const Container& contents) {
 
 // The header text, padded so that 8 + its length is a multiple of `align`.
 std::string build_header(const Container& contents, const std::vector<PlannedTensor>& planned,
-                         std::size_t align) {
+                         std::size_t align, bool hugging_face_format) {
   std::string header = "{";
   for (const PlannedTensor& p : planned) {
     header += json_string(*p.name, "tensor name");
@@ -144,7 +144,10 @@ std::string build_header(const Container& contents, const std::vector<PlannedTen
                 fmt::format("the JSON state cannot be written: {}; use UTF-8 strings", e.what()));
   }
   meta_text += '}';
-  header += fmt::format("\"{}\":{{\"{}\":{},\"{}\":\"{}\"}}}}", kMetadataKey, kTorchpointKey,
+  // "format": "pt" first where asked: Hugging Face's loaders of sharded checkpoints
+  // (transformers, accelerate) refuse a safetensors file without it; torchpoint ignores it.
+  header += fmt::format("\"{}\":{{{}\"{}\":{},\"{}\":\"{}\"}}}}", kMetadataKey,
+                        hugging_face_format ? "\"format\":\"pt\"," : "", kTorchpointKey,
                         nlohmann::json(meta_text).dump(), kHeaderChecksumKey,
                         std::string(kChecksumHexLength, '0'));
   std::uint64_t padded = round_up(8 + header.size(), align) - 8;
@@ -371,7 +374,8 @@ std::uint64_t write_data(File& file, std::vector<PlannedTensor>& planned, std::u
 
 }  // namespace
 
-WrittenFile write_container(Env& env, const std::string& path, const Container& contents) {
+WrittenFile write_container(Env& env, const std::string& path, const Container& contents,
+                            bool hugging_face_format) {
   std::vector<PlannedTensor> planned = plan(contents);
   std::uint64_t data_size = planned.empty() ? 0 : planned.back().end;
 
@@ -389,10 +393,10 @@ WrittenFile write_container(Env& env, const std::string& path, const Container& 
 
   // The header's length does not depend on the checksums (fixed-width hex), so the data can be
   // written first, at its final offset, and the header once the checksums are known.
-  std::uint64_t data_start = 8 + build_header(contents, planned, align).size();
+  std::uint64_t data_start = 8 + build_header(contents, planned, align, hugging_face_format).size();
   std::uint64_t padding = write_data(*file, planned, data_start, data_size);
 
-  std::string header = build_header(contents, planned, align);
+  std::string header = build_header(contents, planned, align, hugging_face_format);
   if (8 + header.size() != data_start) {
     throw Error(ErrorCode::InvalidArgument,
                 fmt::format("header of {} changed length while writing (internal error)", path));

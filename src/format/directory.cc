@@ -2,13 +2,19 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
+#include <map>
 #include <chrono>
+#include <exception>
+#include <thread>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "format/checksum.h"
 #include "format/container.h"
 #include "format/directory_save.h"
 #include "format/manifest.h"
+#include "format/shards.h"
 #include "io/atomic_commit.h"
 #include "io/filename.h"
 #include "torchpoint/checkpoint_dir.h"
@@ -31,6 +37,13 @@ void check_component_name(const std::string& name) {
     throw Error(ErrorCode::InvalidArgument,
                 fmt::format("component name '{}' is not usable as a file name; use letters, "
                             "digits, '_', '-' and '.'",
+                            name));
+  }
+  if (looks_like_shard_stem(name)) {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("component name '{}' ends like the name of a shard file "
+                            "(\"-00001-of-00002\"), which a sharded component's files use: "
+                            "choose another name",
                             name));
   }
 }
@@ -87,14 +100,26 @@ std::uint64_t whole_file_checksum(File& file, std::uint64_t size) {
 std::vector<ManifestExtraFile> collect_extra_files(Env& env, const std::string& dir,
                                                    const std::vector<Component>& components) {
   std::unordered_set<std::string> reserved = {std::string(kManifestFileName)};
-  for (const Component& c : components) reserved.insert(component_file_name(c.name));
+  std::unordered_set<std::string> component_names;
+  for (const Component& c : components) {
+    reserved.insert(component_file_name(c.name));
+    reserved.insert(shard_index_file_name(c.name));
+    component_names.insert(c.name);
+  }
+  // "<component>-00001-of-00002.safetensors": a shard the save may write.
+  auto is_shard_name = [&](const std::string& name) {
+    std::optional<std::string> stem = parse_component_file_name(name);
+    constexpr std::size_t kSuffix = std::string_view("-00001-of-00002").size();
+    return stem && looks_like_shard_stem(*stem) &&
+           component_names.count(stem->substr(0, stem->size() - kSuffix)) > 0;
+  };
   std::vector<std::string> names = env.list_dir(dir);
   std::sort(names.begin(), names.end());
   std::vector<ManifestExtraFile> out;
   for (const std::string& name : names) {
     std::string file_path = join_path(dir, name);
     FileInfo info = env.stat(file_path);
-    if (reserved.count(name)) {
+    if (reserved.count(name) || is_shard_name(name)) {
       throw Error(ErrorCode::InvalidArgument,
                   fmt::format("a save hook wrote {}, a name the checkpoint itself uses: write "
                               "other names",
@@ -127,7 +152,11 @@ Json WrittenComponent::to_json() const {
   return {{"file", file_name},
           {"component", component},
           {"size", size},
-          {"header_checksum", checksum_hex(header_checksum)}};
+          {"header_checksum", checksum_hex(header_checksum)},
+          {"shard", shard},
+          {"shards", shards},
+          {"index", index},
+          {"linked", linked}};
 }
 
 WrittenComponent WrittenComponent::from_json(const Json& json, const std::string& from) {
@@ -140,6 +169,10 @@ WrittenComponent WrittenComponent::from_json(const Json& json, const std::string
         parse_checksum_hex(json.at("header_checksum").get<std::string>());
     if (!sum) throw std::invalid_argument("header_checksum is not 16 hex digits");
     w.header_checksum = *sum;
+    w.shard = json.at("shard").get<int>();
+    w.shards = json.at("shards").get<int>();
+    w.index = json.at("index").get<bool>();
+    w.linked = json.at("linked").get<bool>();
     return w;
   } catch (const std::exception& e) {
     throw Error(ErrorCode::InvalidArgument,
@@ -148,11 +181,136 @@ WrittenComponent WrittenComponent::from_json(const Json& json, const std::string
   }
 }
 
-WrittenComponent write_component(Env& env, const std::string& dir, const Component& component) {
+namespace {
+
+// Shards written at once. Each write already overlaps its own copy-and-hash with its writes on
+// a second thread; a second shard keeps the device busy while the first one's filler hashes,
+// and more than two would only compete for the same cores and disk queue.
+constexpr std::size_t kParallelShards = 2;
+
+// Writes shard `k` (from 1) of `shards`, or links it from `link_source` when it holds the same.
+WrittenComponent write_shard(Env& env, const std::string& dir, const std::string& component,
+                             int k, int shards, const Container& contents,
+                             const LinkSource* link_source) {
+  WrittenComponent out;
+  out.file_name = shard_file_name(component, k, shards);
+  out.component = component;
+  out.shard = k;
+  out.shards = shards;
+  std::string path = join_path(dir, out.file_name);
+  if (link_source != nullptr) {
+    if (auto found = link_source->find(out.file_name, contents)) {
+      try {
+        env.link(found->first, path);
+        out.size = found->second.size;
+        out.header_checksum = found->second.header_checksum;
+        out.linked = true;
+        return out;
+      } catch (const Error&) {
+        // Deliberately swallowed: no hard links here (another file system, a link limit, an
+        // Env without them). Writing the same bytes from memory is the copy.
+        if (env.stat(path).exists) env.remove_file(path);
+      }
+    }
+  }
+  WrittenFile written = write_container(env, path, contents, /*hugging_face_format=*/true);
+  out.size = written.size;
+  out.header_checksum = written.header_checksum;
+  return out;
+}
+
+}  // namespace
+
+std::vector<WrittenComponent> write_component(Env& env, const std::string& dir,
+                                              const Component& component,
+                                              const SaveDirectoryOptions& options,
+                                              const LinkSource* link_source) {
   check_component_name(component.name);
-  std::string file_name = component_file_name(component.name);
-  WrittenFile written = write_container(env, join_path(dir, file_name), component.contents);
-  return {file_name, component.name, written.size, written.header_checksum};
+  std::vector<std::vector<std::size_t>> plan =
+      plan_shards(component, options.shard_size, options.frozen);
+  if (plan.empty()) {
+    std::string file_name = component_file_name(component.name);
+    WrittenFile written = write_container(env, join_path(dir, file_name), component.contents);
+    WrittenComponent out;
+    out.file_name = file_name;
+    out.component = component.name;
+    out.size = written.size;
+    out.header_checksum = written.header_checksum;
+    return {out};
+  }
+  if (plan.size() > static_cast<std::size_t>(kMaxShards)) {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("component '{}' would need {} shards, over the {} that shard names "
+                            "allow: raise SaveDirectoryOptions::shard_size",
+                            component.name, plan.size(), kMaxShards));
+  }
+  const int shards = static_cast<int>(plan.size());
+  // The non-tensor state goes with the last shard, one of the changing tensors' when there are
+  // any, so that the frozen shards stay the same from save to save.
+  std::vector<Container> contents(plan.size());
+  WeightMap weight_map;
+  std::uint64_t total_size = 0;
+  for (std::size_t k = 0; k < plan.size(); ++k) {
+    for (std::size_t i : plan[k]) {
+      const auto& [name, tensor] = component.contents.tensors[i];
+      contents[k].tensors.emplace_back(name, tensor);
+      total_size += static_cast<std::uint64_t>(tensor.numel()) *
+                    static_cast<std::uint64_t>(tensor.element_size());
+    }
+  }
+  contents.back().state = component.contents.state;
+  // The index lists the tensors in the component's own order, which loading restores.
+  {
+    std::vector<int> shard_of(component.contents.tensors.size());
+    for (std::size_t k = 0; k < plan.size(); ++k) {
+      for (std::size_t i : plan[k]) shard_of[i] = static_cast<int>(k) + 1;
+    }
+    for (std::size_t i = 0; i < shard_of.size(); ++i) {
+      weight_map.emplace_back(component.contents.tensors[i].first,
+                              shard_file_name(component.name, shard_of[i], shards));
+    }
+  }
+
+  std::vector<WrittenComponent> out(plan.size());
+  std::atomic<std::size_t> next{0};
+  std::atomic<bool> failed{false};
+  std::vector<std::exception_ptr> errors(kParallelShards);
+  auto work = [&](std::size_t worker) {
+    try {
+      for (std::size_t k = next++; k < plan.size() && !failed; k = next++) {
+        out[k] = write_shard(env, dir, component.name, static_cast<int>(k) + 1, shards,
+                             contents[k], link_source);
+      }
+    } catch (...) {
+      errors[worker] = std::current_exception();
+      failed = true;
+    }
+  };
+  {
+    std::vector<std::thread> helpers;
+    for (std::size_t w = 1; w < std::min(kParallelShards, plan.size()); ++w) {
+      helpers.emplace_back(work, w);
+    }
+    work(0);
+    for (std::thread& t : helpers) t.join();
+  }
+  for (const std::exception_ptr& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+
+  std::string text = shard_index_text(weight_map, total_size);
+  WrittenComponent index;
+  index.file_name = shard_index_file_name(component.name);
+  index.component = component.name;
+  index.index = true;
+  index.size = text.size();
+  index.header_checksum = xxh3(text.data(), text.size());
+  std::unique_ptr<File> file = env.open(join_path(dir, index.file_name), OpenMode::CreateExclusive);
+  file->write_all(text.data(), text.size(), 0);
+  file->sync();
+  file->close();
+  out.push_back(std::move(index));
+  return out;
 }
 
 DirectorySave::DirectorySave(Env& env, const std::string& path,
@@ -185,12 +343,45 @@ DirectorySave::~DirectorySave() = default;
 const std::string& DirectorySave::temp_path() const { return pending_->temp_path(); }
 
 void DirectorySave::commit(const std::vector<WrittenComponent>& files, const CheckpointInfo& info) {
+  // Each announced component arrives once: as one file, or as all its shards and its index.
+  struct Parts {
+    int shards = 0;
+    std::unordered_set<int> seen;
+    int indexes = 0;
+  };
   std::unordered_set<std::string> expected(component_names_.begin(), component_names_.end());
+  std::unordered_set<std::string> seen_files;
+  std::unordered_map<std::string, Parts> sharded;
+  auto refuse = [&](const WrittenComponent& f) {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("{}: component '{}' ({}) was written but not announced, or twice",
+                            path_, f.component, f.file_name));
+  };
   for (const WrittenComponent& f : files) {
-    if (expected.erase(f.component) != 1 || f.file_name != component_file_name(f.component)) {
+    std::string expected_name = f.index        ? shard_index_file_name(f.component)
+                                : f.shards > 0 ? shard_file_name(f.component, f.shard, f.shards)
+                                               : component_file_name(f.component);
+    if (f.file_name != expected_name || !seen_files.insert(f.file_name).second) refuse(f);
+    if (f.index) {
+      ++sharded[f.component].indexes;
+    } else if (f.shards > 0) {
+      Parts& parts = sharded[f.component];
+      if (parts.shards == 0) parts.shards = f.shards;
+      if (parts.shards != f.shards || f.shard < 1 || f.shard > f.shards ||
+          !parts.seen.insert(f.shard).second) {
+        refuse(f);
+      }
+    } else if (expected.erase(f.component) != 1) {
+      refuse(f);
+    }
+  }
+  for (const auto& [component, parts] : sharded) {
+    if (expected.erase(component) != 1 || parts.indexes != 1 || parts.shards == 0 ||
+        static_cast<int>(parts.seen.size()) != parts.shards) {
       throw Error(ErrorCode::InvalidArgument,
-                  fmt::format("{}: component '{}' ({}) was written but not announced, or twice",
-                              path_, f.component, f.file_name));
+                  fmt::format("{}: component '{}' was written as {} of {} shards with {} "
+                              "indexes, or was not announced",
+                              path_, component, parts.seen.size(), parts.shards, parts.indexes));
     }
   }
   if (!expected.empty()) {
@@ -201,6 +392,10 @@ void DirectorySave::commit(const std::vector<WrittenComponent>& files, const Che
   Manifest manifest;
   manifest.extra_files = extra_files_;
   if (!manifest.extra_files.empty()) manifest.version_minor = std::max(kFormatMinor, 1);
+  if (!sharded.empty()) {
+    manifest.version_major = kShardedManifestMajor;
+    manifest.version_minor = 0;
+  }
   manifest.torchpoint_version = torchpoint_version();
   manifest.libtorch_version = libtorch_version();
   manifest.created_unix_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -208,7 +403,12 @@ void DirectorySave::commit(const std::vector<WrittenComponent>& files, const Che
                                  .count();
   manifest.info = info;
   for (const WrittenComponent& f : files) {
-    manifest.files.push_back({f.file_name, f.component, f.size, f.header_checksum});
+    if (f.index) {
+      manifest.shard_indexes.push_back({f.file_name, f.component, f.size, f.header_checksum});
+    } else {
+      manifest.files.push_back(
+          {f.file_name, f.component, f.size, f.header_checksum, f.shard, f.shards});
+    }
   }
   // The manifest goes last: a directory holding one lists only files already synced.
   std::string text = serialize_manifest(manifest);
@@ -225,9 +425,13 @@ void save_directory(const std::string& path, const std::vector<Component>& compo
   std::vector<std::string> names;
   for (const Component& c : components) names.push_back(c.name);
   DirectorySave save(env, path, names, options);
+  LinkSource link_source(env, options.link_from);
   std::vector<WrittenComponent> written;
-  for (const Component& c : components)
-    written.push_back(write_component(env, save.temp_path(), c));
+  for (const Component& c : components) {
+    for (WrittenComponent& f : write_component(env, save.temp_path(), c, options, &link_source)) {
+      written.push_back(std::move(f));
+    }
+  }
   save.commit(written, info);
 }
 
@@ -284,6 +488,71 @@ static Manifest load_manifest(Env& env, const std::string& path, Problems& probl
   return parse_manifest(bytes, manifest_path, problems);
 }
 
+// Loads the container file `f` of the checkpoint `path`, checked against its manifest entry.
+static Container load_listed_file(Env& env, const std::string& path, const ManifestFile& f) {
+  std::string file_path = join_path(path, f.name);
+  FileInfo info = env.stat(file_path);
+  if (info.is_symlink) refuse_link(file_path, path);
+  if (!info.exists) {
+    throw Error(ErrorCode::Corruption,
+                fmt::format("{} is listed in the manifest of {} but missing", f.name, path));
+  }
+  if (!info.is_regular) {
+    env.open(file_path, OpenMode::Read);  // throws, naming what it is (a FIFO, a socket...)
+  }
+  if (info.size != f.size) {
+    throw Error(ErrorCode::Corruption,
+                fmt::format("{} is {} bytes but the manifest of {} says {}: the file was "
+                            "truncated or replaced",
+                            file_path, info.size, path, f.size));
+  }
+  std::uint64_t header_checksum = 0;
+  Container contents = load_container(env, file_path, &header_checksum);
+  if (header_checksum != f.header_checksum) {
+    throw Error(ErrorCode::Corruption,
+                fmt::format("{} is not the file the manifest of {} lists (header checksum "
+                            "differs): it was replaced",
+                            file_path, path));
+  }
+  return contents;
+}
+
+// Loads every shard of `component` and joins them into one container, its tensors in the
+// order of the index (the component's own), its state from the last shard.
+static Container load_sharded(Env& env, const std::string& path, const Manifest& manifest,
+                              const std::string& component) {
+  auto index = std::find_if(manifest.shard_indexes.begin(), manifest.shard_indexes.end(),
+                            [&](const ManifestShardIndex& i) { return i.component == component; });
+  // parse_manifest() checked that each sharded component has exactly one index.
+  WeightMap weight_map = read_shard_index(env, path, *index);
+  std::vector<std::pair<const ManifestFile*, Container>> shards;
+  std::map<std::string, std::vector<std::string>> names;
+  for (const ManifestFile& f : manifest.files) {
+    if (f.component != component) continue;
+    shards.emplace_back(&f, load_listed_file(env, path, f));
+    std::vector<std::string>& held = names[f.name];
+    for (const auto& [name, tensor] : shards.back().second.tensors) held.push_back(name);
+  }
+  Problems throwing;
+  check_weight_map(weight_map, names, join_path(path, index->name), throwing);
+  std::unordered_map<std::string, at::Tensor*> by_name;
+  Container out;
+  for (auto& [f, contents] : shards) {
+    for (auto& [name, tensor] : contents.tensors) by_name.emplace(name, &tensor);
+    if (f->shard == f->shards) {
+      out.state = std::move(contents.state);
+    } else if (!contents.state.empty()) {
+      throwing.add(fmt::format("{}: shard {} of {} holds state, which only the last shard does",
+                               join_path(path, f->name), f->shard, f->shards));
+    }
+  }
+  out.tensors.reserve(weight_map.size());
+  for (const auto& [name, file] : weight_map) {
+    out.tensors.emplace_back(name, std::move(*by_name.at(name)));
+  }
+  return out;
+}
+
 DirectoryCheckpoint load_directory(const std::string& path, Env& env) {
   Problems throwing;
   Manifest manifest = load_manifest(env, path, throwing);
@@ -291,32 +560,13 @@ DirectoryCheckpoint load_directory(const std::string& path, Env& env) {
   out.info = manifest.info;
   out.torchpoint_version = manifest.torchpoint_version;
   out.libtorch_version = manifest.libtorch_version;
+  std::unordered_set<std::string> sharded_done;
   for (const ManifestFile& f : manifest.files) {
-    std::string file_path = join_path(path, f.name);
-    FileInfo info = env.stat(file_path);
-    if (info.is_symlink) refuse_link(file_path, path);
-    if (!info.exists) {
-      throw Error(ErrorCode::Corruption,
-                  fmt::format("{} is listed in the manifest of {} but missing", f.name, path));
+    if (f.shards == 0) {
+      out.components.push_back({f.component, load_listed_file(env, path, f)});
+    } else if (sharded_done.insert(f.component).second) {
+      out.components.push_back({f.component, load_sharded(env, path, manifest, f.component)});
     }
-    if (!info.is_regular) {
-      env.open(file_path, OpenMode::Read);  // throws, naming what it is (a FIFO, a socket...)
-    }
-    if (info.size != f.size) {
-      throw Error(ErrorCode::Corruption,
-                  fmt::format("{} is {} bytes but the manifest of {} says {}: the file was "
-                              "truncated or replaced",
-                              file_path, info.size, path, f.size));
-    }
-    std::uint64_t header_checksum = 0;
-    Container contents = load_container(env, file_path, &header_checksum);
-    if (header_checksum != f.header_checksum) {
-      throw Error(ErrorCode::Corruption,
-                  fmt::format("{} is not the file the manifest of {} lists (header checksum "
-                              "differs): it was replaced",
-                              file_path, path));
-    }
-    out.components.push_back({f.component, std::move(contents)});
   }
   for (const ManifestExtraFile& f : manifest.extra_files) {
     check_extra_file(env, path, f);
@@ -342,6 +592,8 @@ VerifyReport verify_directory(const std::string& path, Env& env) {
   // are not reported as strays.
   const bool manifest_damaged = !report.ok();
   std::unordered_set<std::string> listed;
+  // Sharded component -> shard file -> its tensors, as their headers list them.
+  std::map<std::string, std::map<std::string, std::vector<std::string>>> shard_tensors;
   for (const ManifestFile& f : manifest.files) {
     listed.insert(f.name);
     std::string file_path = join_path(path, f.name);
@@ -379,7 +631,12 @@ VerifyReport verify_directory(const std::string& path, Env& env) {
       try {
         std::unique_ptr<File> file = env.open(file_path, OpenMode::Read);
         Problems throwing;
-        header_checksum = read_container_header(*file, file_path, throwing).header_checksum;
+        ContainerHeader header = read_container_header(*file, file_path, throwing);
+        header_checksum = header.header_checksum;
+        if (f.shards > 0) {
+          std::vector<std::string>& held = shard_tensors[f.component][f.name];
+          for (std::size_t i : header.caller_order) held.push_back(header.entries[i].name);
+        }
         if (header_checksum != f.header_checksum) {
           report.add(fmt::format("{}: header checksum differs from the manifest's", file_path),
                      ErrorCode::Corruption);
@@ -393,6 +650,21 @@ VerifyReport verify_directory(const std::string& path, Env& env) {
     listed.insert(f.name);
     try {
       check_extra_file(env, path, f);
+    } catch (const Error& e) {
+      report.add(e.what(), e.code());
+    }
+  }
+  for (const ManifestShardIndex& index : manifest.shard_indexes) {
+    listed.insert(index.name);
+    try {
+      WeightMap weight_map = read_shard_index(env, path, index);
+      // Checked against the shards whose headers could be read; the others are reported above.
+      const auto& held = shard_tensors[index.component];
+      int shards = 0;
+      for (const ManifestFile& f : manifest.files) shards += f.component == index.component;
+      if (static_cast<int>(held.size()) == shards) {
+        check_weight_map(weight_map, held, join_path(path, index.name), collect);
+      }
     } catch (const Error& e) {
       report.add(e.what(), e.code());
     }

@@ -22,16 +22,30 @@ struct WrittenComponent {
   std::string file_name;
   std::string component;
   std::uint64_t size = 0;
-  std::uint64_t header_checksum = 0;
+  std::uint64_t header_checksum = 0;  // of the whole file, for a shard index
+  // Shard `shard` (from 1) of `shards`; 0 and 0 for a component in one file or an index.
+  int shard = 0;
+  int shards = 0;
+  bool index = false;   // the component's shard index, not a container
+  bool linked = false;  // a hard link to an older checkpoint's identical shard: no bytes written
 
-  // For sending to the committer: {"file", "component", "size", "header_checksum"}.
+  // For sending to the committer: {"file", "component", "size", "header_checksum", "shard",
+  // "shards", "index", "linked"}.
   Json to_json() const;
   // Throws InvalidArgument naming `from` when `json` is not what to_json() makes.
   static WrittenComponent from_json(const Json& json, const std::string& from);
 };
 
-// Writes `component` as <dir>/<name>.safetensors (a new file), fsynced and closed. Any writer.
-WrittenComponent write_component(Env& env, const std::string& dir, const Component& component);
+class LinkSource;
+
+// Writes `component` into `dir` as new files, each fsynced and closed: <name>.safetensors, or,
+// over options.shard_size, its shards (two written at once; those `link_source` holds unchanged
+// are hard-linked from it) followed by its index. Any writer. On failure the files already
+// written stay in `dir` (the caller's temporary directory, removed as a whole).
+std::vector<WrittenComponent> write_component(Env& env, const std::string& dir,
+                                              const Component& component,
+                                              const SaveDirectoryOptions& options = {},
+                                              const LinkSource* link_source = nullptr);
 
 class DirectorySave {
  public:

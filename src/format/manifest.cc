@@ -2,8 +2,11 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <set>
 
 #include "compat/torch_compat.h"
 #include "format/checksum.h"
@@ -49,6 +52,30 @@ std::uint64_t uint64_at(const ojson& object, const char* key) {
   return v.get<std::uint64_t>();
 }
 
+// Every sharded component has shards 1..n exactly once, all saying n, and no component is
+// both sharded and in one file.
+void check_shards_complete(const std::vector<ManifestFile>& files) {
+  std::map<std::string, std::vector<const ManifestFile*>> by_component;
+  for (const ManifestFile& f : files) by_component[f.component].push_back(&f);
+  for (const auto& [component, parts] : by_component) {
+    bool sharded = parts.front()->shards > 0;
+    std::set<int> seen;
+    for (const ManifestFile* f : parts) {
+      bool ok = sharded ? f->shards == parts.front()->shards && seen.insert(f->shard).second
+                        : parts.size() == 1;
+      if (!ok) {
+        throw std::runtime_error(
+            fmt::format("component '{}' is listed more than once, or its shards disagree",
+                        component));
+      }
+    }
+    if (sharded && static_cast<int>(seen.size()) != parts.front()->shards) {
+      throw std::runtime_error(fmt::format("component '{}' lists {} of its {} shards", component,
+                                           seen.size(), parts.front()->shards));
+    }
+  }
+}
+
 std::string tail_prefix() { return fmt::format(",\n  \"{}\": \"", kManifestChecksumKey); }
 constexpr std::string_view kTailSuffix = "\"\n}\n";
 
@@ -63,6 +90,7 @@ std::string serialize_manifest(const Manifest& m) {
     files[f.name] = {{"component", f.component},
                      {"size", f.size},
                      {"header_xxh3", checksum_hex(f.header_checksum)}};
+    if (f.shards > 0) files[f.name]["shard"] = {f.shard, f.shards};
   }
   ojson body = {
       {"format", kManifestFormatName},
@@ -81,6 +109,16 @@ std::string serialize_manifest(const Manifest& m) {
       append_new_key(extras, f.name, {{"size", f.size}, {"xxh3", checksum_hex(f.checksum)}});
     }
     body["extra_files"] = std::move(extras);
+  }
+  if (!m.shard_indexes.empty()) {
+    ojson indexes = ojson::object();
+    for (const ManifestShardIndex& f : m.shard_indexes) {
+      append_new_key(indexes, f.name,
+                     {{"component", f.component},
+                      {"size", f.size},
+                      {"xxh3", checksum_hex(f.checksum)}});
+    }
+    body["shard_indexes"] = std::move(indexes);
   }
   std::string text;
   try {
@@ -151,10 +189,10 @@ Manifest parse_manifest(std::string_view bytes, const std::string& path, Problem
     bad(fmt::format("invalid format_version '{}'", version));
     return m;
   }
-  if (m.version_major > kFormatMajor) {
+  if (m.version_major > kShardedManifestMajor) {
     problems.add(fmt::format("{} is in torchpoint format version {}, but this build reads "
                              "versions up to {}.{}: upgrade torchpoint to load it",
-                             path, version, kFormatMajor, kFormatMinor),
+                             path, version, kShardedManifestMajor, 0),
                  ErrorCode::Incompatible);
     return m;
   }
@@ -175,11 +213,60 @@ Manifest parse_manifest(std::string_view bytes, const std::string& path, Problem
       auto sum = parse_checksum_hex(f.at("header_xxh3").get<std::string>());
       if (!sum) throw std::runtime_error(fmt::format("malformed header_xxh3 of {}", name));
       file.header_checksum = *sum;
-      if (name.find('/') != std::string::npos || name == "." || name == ".." ||
-          name != component_file_name(file.component)) {
+      if (auto shard = f.find("shard"); shard != f.end()) {
+        if (m.version_major < kShardedManifestMajor || !shard->is_array() || shard->size() != 2 ||
+            !(*shard)[0].is_number_integer() || !(*shard)[1].is_number_integer()) {
+          throw std::runtime_error(fmt::format("malformed \"shard\" of {}", name));
+        }
+        file.shard = (*shard)[0].get<int>();
+        file.shards = (*shard)[1].get<int>();
+        if (file.shards < 1 || file.shards > kMaxShards || file.shard < 1 ||
+            file.shard > file.shards) {
+          throw std::runtime_error(fmt::format("{} claims to be shard {} of {}", name,
+                                               file.shard, file.shards));
+        }
+      }
+      std::string expected = file.shards > 0
+                                 ? shard_file_name(file.component, file.shard, file.shards)
+                                 : component_file_name(file.component);
+      if (name.find('/') != std::string::npos || name == "." || name == ".." || name != expected) {
         throw std::runtime_error(fmt::format("file name '{}' does not match its component", name));
       }
       m.files.push_back(std::move(file));
+    }
+    check_shards_complete(m.files);
+    if (auto indexes = root.find("shard_indexes"); indexes != root.end()) {
+      if (!indexes->is_object()) throw std::runtime_error("\"shard_indexes\" is not an object");
+      for (const auto& [name, f] : indexes->items()) {
+        ManifestShardIndex index;
+        index.name = name;
+        index.component = f.at("component").get<std::string>();
+        index.size = uint64_at(f, "size");
+        auto sum = parse_checksum_hex(f.at("xxh3").get<std::string>());
+        if (!sum) throw std::runtime_error(fmt::format("malformed xxh3 of {}", name));
+        index.checksum = *sum;
+        if (name != shard_index_file_name(index.component)) {
+          throw std::runtime_error(fmt::format("index name '{}' does not match its component", name));
+        }
+        m.shard_indexes.push_back(std::move(index));
+      }
+    }
+    for (const ManifestFile& f : m.files) {
+      if (f.shard != 1) continue;
+      int found = 0;
+      for (const ManifestShardIndex& index : m.shard_indexes) found += index.component == f.component;
+      if (found != 1) {
+        throw std::runtime_error(
+            fmt::format("sharded component '{}' has {} indexes, not one", f.component, found));
+      }
+    }
+    for (const ManifestShardIndex& index : m.shard_indexes) {
+      if (std::none_of(m.files.begin(), m.files.end(), [&](const ManifestFile& f) {
+            return f.shard == 1 && f.component == index.component;
+          })) {
+        throw std::runtime_error(
+            fmt::format("index {} is of no sharded component", index.name));
+      }
     }
     if (auto extras = root.find("extra_files"); extras != root.end()) {
       if (!extras->is_object()) throw std::runtime_error("\"extra_files\" is not an object");
@@ -191,7 +278,9 @@ Manifest parse_manifest(std::string_view bytes, const std::string& path, Problem
         if (!sum) throw std::runtime_error(fmt::format("malformed xxh3 of {}", name));
         file.checksum = *sum;
         if (name.empty() || name.find('/') != std::string::npos || name == "." || name == ".." ||
-            name == kManifestFileName || files.contains(name)) {
+            name == kManifestFileName || files.contains(name) ||
+            (root.contains("shard_indexes") && root["shard_indexes"].is_object() &&
+             root["shard_indexes"].contains(name))) {
           throw std::runtime_error(fmt::format("extra file name '{}' is not usable", name));
         }
         m.extra_files.push_back(std::move(file));

@@ -21,13 +21,32 @@ struct ManifestFile {
   std::string component;
   std::uint64_t size = 0;
   std::uint64_t header_checksum = 0;  // covers the per-tensor checksums, so the whole file
+  // Shard `shard` (from 1) of `shards` of its component; 0 and 0 for a component in one file.
+  int shard = 0;
+  int shards = 0;
 };
+
+// Manifests that list shards are format 2.0: a reader of format 1 would take each shard for a
+// component of its own, so it must refuse them (it does, naming the version) rather than guess.
+inline constexpr int kShardedManifestMajor = 2;
+// Shard numbers have five digits in file names.
+inline constexpr int kMaxShards = 99999;
 
 // A file that a save hook wrote into the checkpoint (a config, a tokenizer...): any bytes,
 // covered by one checksum of the whole file. Listed under "extra_files" (format 1.1), which
 // readers of format 1.0 ignore.
 struct ManifestExtraFile {
   std::string name;
+  std::uint64_t size = 0;
+  std::uint64_t checksum = 0;  // XXH3-64 of the whole file
+};
+
+// The index of a sharded component ("model.safetensors.index.json", Hugging Face's layout:
+// {"metadata": {"total_size": N}, "weight_map": {tensor: shard file}}), covered by one checksum
+// of the whole file. Listed under "shard_indexes" (format 2.0).
+struct ManifestShardIndex {
+  std::string name;
+  std::string component;
   std::uint64_t size = 0;
   std::uint64_t checksum = 0;  // XXH3-64 of the whole file
 };
@@ -41,6 +60,7 @@ struct Manifest {
   CheckpointInfo info;
   std::vector<ManifestFile> files;  // in the order the components were saved
   std::vector<ManifestExtraFile> extra_files;
+  std::vector<ManifestShardIndex> shard_indexes;  // one per sharded component
 };
 
 // The manifest's bytes: indented JSON whose last key is its own checksum.

@@ -88,6 +88,11 @@ void Env::exchange(const std::string& a, const std::string& b) {
                           a, b));
 }
 
+void Env::link(const std::string& existing, const std::string& new_path) {
+  throw Error(ErrorCode::Unsupported,
+              fmt::format("this Env cannot make {} a second name of {}", new_path, existing));
+}
+
 void Env::remove_all(const std::string& path) {
   FileInfo info = stat(path);
   if (!info.exists) return;

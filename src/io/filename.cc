@@ -79,6 +79,26 @@ std::optional<std::string> parse_component_file_name(std::string_view file_name)
   return std::string(file_name.substr(0, file_name.size() - kContainerExtension.size()));
 }
 
+std::string shard_file_name(std::string_view component, int shard, int shards) {
+  return fmt::format("{}-{:05d}-of-{:05d}{}", component, shard, shards, kContainerExtension);
+}
+
+std::string shard_index_file_name(std::string_view component) {
+  return fmt::format("{}{}.index.json", component, kContainerExtension);
+}
+
+bool looks_like_shard_stem(std::string_view name) {
+  // "-NNNNN-of-NNNNN" at the end.
+  constexpr std::string_view kShape = "-#####-of-#####";
+  if (name.size() < kShape.size()) return false;
+  std::string_view tail = name.substr(name.size() - kShape.size());
+  for (std::size_t i = 0; i < kShape.size(); ++i) {
+    bool digit = tail[i] >= '0' && tail[i] <= '9';
+    if (kShape[i] == '#' ? !digit : tail[i] != kShape[i]) return false;
+  }
+  return true;
+}
+
 std::string join_path(std::string_view dir, std::string_view name) {
   if (dir.empty()) return std::string(name);
   if (dir.back() == '/') return fmt::format("{}{}", dir, name);

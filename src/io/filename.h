@@ -39,6 +39,12 @@ std::optional<int> temp_name_pid(std::string_view name);
 std::string component_file_name(std::string_view component);
 // "model" for "model.safetensors"; nullopt for other names.
 std::optional<std::string> parse_component_file_name(std::string_view file_name);
+// Shard k (from 1) of n of a component, in Hugging Face's layout:
+// "model-00001-of-00004.safetensors", and its index "model.safetensors.index.json".
+std::string shard_file_name(std::string_view component, int shard, int shards);
+std::string shard_index_file_name(std::string_view component);
+// True for a name ending like a shard stem ("-00001-of-00004"): not usable as a component name.
+bool looks_like_shard_stem(std::string_view name);
 
 // Joins two path pieces with exactly one '/'.
 std::string join_path(std::string_view dir, std::string_view name);

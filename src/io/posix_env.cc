@@ -193,6 +193,12 @@ class PosixEnv final : public Env {
     }
   }
 
+  void link(const std::string& existing, const std::string& new_path) override {
+    if (::link(existing.c_str(), new_path.c_str()) != 0) {
+      throw posix_error(fmt::format("link of {} as {}", existing, new_path), errno);
+    }
+  }
+
   void mkdir(const std::string& path) override {
     if (::mkdir(path.c_str(), 0755) != 0) {
       throw posix_error(fmt::format("mkdir of {}", path), errno);
@@ -240,6 +246,9 @@ class PosixEnv final : public Env {
     info.is_directory = S_ISDIR(st.st_mode);
     info.is_regular = S_ISREG(st.st_mode);
     info.size = static_cast<std::uint64_t>(st.st_size);
+    info.links = static_cast<std::uint64_t>(st.st_nlink);
+    info.modified_ns = static_cast<std::int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 +
+                       st.st_mtim.tv_nsec;
     return info;
   }
 

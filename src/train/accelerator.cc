@@ -16,6 +16,7 @@
 #include "checkpoint/committed.h"
 #include "compat/torch_compat.h"
 #include "format/directory_save.h"
+#include "format/shards.h"
 #include "io/atomic_commit.h"
 #include "io/filename.h"
 #include "torchpoint/checkpoint_dir.h"
@@ -418,6 +419,34 @@ std::string Accelerator::begin_save(const std::string& output_dir) {
                             : output_dir;
 }
 
+SaveDirectoryOptions Accelerator::directory_options(bool overwrite) const {
+  SaveDirectoryOptions options;
+  options.overwrite = overwrite;
+  if (!save_hooks_.empty()) {
+    // A copy: an asynchronous save runs them while the loop may register more.
+    options.before_components = [hooks = save_hooks_](const std::string& dir) {
+      for (const auto& hook : hooks) hook(dir);
+    };
+  }
+  options.shard_size = config_.shard_size();
+  if (config_.incremental()) options.link_from = last_checkpoint_;
+  // The tensors no optimizer step changes: frozen parameters and buffers (Accelerate's and
+  // Hugging Face's sharding keeps none apart; here they fill shards that can be shared).
+  std::vector<std::string> names = component_names();
+  std::size_t model = 0;
+  for (std::size_t i = 0; i < components_.size(); ++i) {
+    if (components_[i].kind != "model" || model >= models_.size()) continue;
+    const torch::nn::Module& module = *models_[model++];
+    for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+      if (!item.value().requires_grad()) options.frozen.insert(names[i] + "/" + item.key());
+    }
+    for (const auto& item : module.named_buffers(/*recurse=*/true)) {
+      options.frozen.insert(names[i] + "/" + item.key());
+    }
+  }
+  return options;
+}
+
 std::string Accelerator::save_state_with(const std::string& output_dir, bool overwrite,
                                          AsyncCheckpointer* saver, SaveHandle* handle) {
   if (saver != nullptr) saver->wait();  // the previous save's error first, if nobody took it
@@ -436,22 +465,18 @@ std::string Accelerator::save_state_with(const std::string& output_dir, bool ove
   info.iteration = config_.iteration();
   info.metadata = {{"accelerator", {{"step", step_}, {"components", names}}}};
   if (!logged_metrics_.empty()) info.metadata["metrics"] = logged_metrics_;
-  SaveDirectoryOptions options;
-  options.overwrite = overwrite;
-  if (!save_hooks_.empty()) {
-    // A copy: an asynchronous save runs them while the loop may register more.
-    options.before_components = [hooks = save_hooks_](const std::string& dir) {
-      for (const auto& hook : hooks) hook(dir);
-    };
-  }
+  SaveDirectoryOptions options = directory_options(overwrite);
   if (saver != nullptr) {
     std::function<void()> after_commit;
     if (automatic) after_commit = [this, path] { apply_total_limit(path); };
     *handle = saver->save_directory(path, files, info, options, std::move(after_commit));
     if (automatic) config_.iteration(config_.iteration() + 1);
+    // The next save waits for this one first; if it failed, the next finds nothing to link.
+    last_checkpoint_ = path;
     return path;
   }
   save_directory(path, files, info, env_, options);
+  last_checkpoint_ = path;
 
   if (automatic) {
     config_.iteration(config_.iteration() + 1);
@@ -472,14 +497,7 @@ std::string Accelerator::save_state_distributed(const std::string& output_dir, b
       [&] {
         std::vector<std::string> all = names;
         for (int r = 0; r < world; ++r) all.push_back(random_states_name(r));
-        SaveDirectoryOptions options;
-        options.overwrite = overwrite;
-        if (!save_hooks_.empty()) {
-          options.before_components = [this](const std::string& dir) {
-            for (const auto& hook : save_hooks_) hook(dir);
-          };
-        }
-        save = std::make_unique<DirectorySave>(env_, path, all, options);
+        save = std::make_unique<DirectorySave>(env_, path, all, directory_options(overwrite));
         return Json{{"dir", save->temp_path()}, {"path", path}}.dump();
       },
       "save_state(): opening the checkpoint directory"));
@@ -500,7 +518,15 @@ std::string Accelerator::save_state_distributed(const std::string& output_dir, b
       }
     }
     mine.push_back({random_states_name(rank), rng_.state_dict().to_container()});
-    for (const auto& c : mine) files.push_back(write_component(env_, dir, c).to_json());
+    SaveDirectoryOptions options = directory_options(overwrite);
+    std::optional<LinkSource> link_source;
+    if (rank == 0) link_source.emplace(env_, options.link_from);
+    for (const auto& c : mine) {
+      for (const WrittenComponent& f :
+           write_component(env_, dir, c, options, link_source ? &*link_source : nullptr)) {
+        files.push_back(f.to_json());
+      }
+    }
   } catch (const std::exception&) {
     failure = std::current_exception();
   }
@@ -530,7 +556,8 @@ std::string Accelerator::save_state_distributed(const std::string& output_dir, b
         return "";
       },
       "save_state(): committing the checkpoint");
-  return opened.at("path").get<std::string>();
+  last_checkpoint_ = opened.at("path").get<std::string>();
+  return last_checkpoint_;
 }
 
 void Accelerator::apply_total_limit(const std::string& just_written) {
@@ -725,6 +752,7 @@ LoadStateReport Accelerator::load_state(const std::string& input_dir) {
   }
   resumed_from_ = path;
   report.path = path;
+  last_checkpoint_ = path;
   report.components = restored.restored;
   report.step = step_;
   report.libtorch_version = checkpoint.libtorch_version;

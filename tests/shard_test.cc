@@ -1,0 +1,375 @@
+// Sharded and incremental directory checkpoints: a large component in Hugging Face's shard
+// layout loads whole; a later save hard-links the shards that did not change and writes the
+// rest; every checkpoint stays complete on its own; faults and power cuts during a save that
+// links keep every committed checkpoint.
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+
+#include "format/manifest.h"
+#include "io/filename.h"
+#include "testing/fault_env.h"
+#include "testing/test_util.h"
+#include "torchpoint/checkpoint_dir.h"
+#include "torchpoint/checkpoint_manager.h"
+#include "torchpoint/error.h"
+#include "torchpoint/tensor_file.h"
+
+namespace torchpoint {
+namespace {
+
+using testing::FaultEnv;
+using testing::Op;
+using testing::PowerCutMode;
+using testing::TempDir;
+
+constexpr std::uint64_t kShard = 1u << 20;  // 1 MiB shards in these tests
+
+// A model of a frozen 2.5 MiB backbone (two tensors, one a buffer-like int64) and a trainable
+// head that changes with `step`, and an optimizer small enough for one file.
+std::vector<Component> state(int step) {
+  return {
+      {"model",
+       {{{"backbone.0.weight", testing::make_tensor(at::kFloat, {256, 1024}, 7)},
+         {"head.weight", testing::make_tensor(at::kFloat, {64, 1024}, 100 + step)},
+         {"backbone.1.weight", testing::make_tensor(at::kFloat, {256, 1024}, 8)},
+         {"backbone.1.count", testing::make_tensor(at::kLong, {65536}, 9)},
+         {"head.bias", testing::make_tensor(at::kFloat, {64}, 200 + step)}},
+        {{"order", "kept"}, {"step", step}}}},
+      {"optimizer", {{{"step", at::tensor(std::int64_t{step})}}, {{"lr", 0.5}}}},
+  };
+}
+
+SaveDirectoryOptions options(const std::string& link_from = "") {
+  SaveDirectoryOptions o;
+  o.shard_size = kShard;
+  o.frozen = {"model/backbone.0.weight", "model/backbone.1.weight", "model/backbone.1.count"};
+  o.link_from = link_from;
+  return o;
+}
+
+void expect_holds(const std::string& path, int step) {
+  VerifyReport report = verify(path);
+  ASSERT_TRUE(report.ok()) << path << ": " << report.problems.front();
+  DirectoryCheckpoint loaded = load_directory(path);
+  std::vector<Component> expected = state(step);
+  ASSERT_EQ(loaded.components.size(), expected.size());
+  for (std::size_t c = 0; c < expected.size(); ++c) {
+    EXPECT_EQ(loaded.components[c].name, expected[c].name);
+    EXPECT_EQ(loaded.components[c].contents.state, expected[c].contents.state);
+    const auto& a = expected[c].contents.tensors;
+    const auto& b = loaded.components[c].contents.tensors;
+    ASSERT_EQ(a.size(), b.size()) << path;
+    for (std::size_t t = 0; t < a.size(); ++t) {
+      EXPECT_EQ(a[t].first, b[t].first) << "the component's tensor order is kept";
+      EXPECT_TRUE(testing::bitwise_equal(a[t].second, b[t].second)) << path << " " << a[t].first;
+    }
+  }
+}
+
+struct ::stat stat_of(const std::string& path) {
+  struct ::stat st;
+  EXPECT_EQ(::stat(path.c_str(), &st), 0) << path;
+  return st;
+}
+
+bool same_file(const std::string& a, const std::string& b) {
+  struct ::stat x = stat_of(a), y = stat_of(b);
+  return x.st_ino == y.st_ino && x.st_dev == y.st_dev;
+}
+
+// Returns once a file written now in `dir` gets a modification time later than `path`'s: file
+// times advance by the kernel's clock tick (a few ms), and a change made within the tick of a
+// checkpoint's commit carries the same time as its manifest.
+void wait_for_a_later_tick(const std::string& dir, const std::string& path) {
+  const std::string probe = dir + "/tick-probe";
+  for (int i = 0; i < 1000; ++i) {
+    testing::write_bytes(probe, "x");
+    bool later = stat_of(probe).st_mtim.tv_sec > stat_of(path).st_mtim.tv_sec ||
+                 (stat_of(probe).st_mtim.tv_sec == stat_of(path).st_mtim.tv_sec &&
+                  stat_of(probe).st_mtim.tv_nsec > stat_of(path).st_mtim.tv_nsec);
+    ::unlink(probe.c_str());
+    if (later) return;
+    ::usleep(1000);
+  }
+  ADD_FAILURE() << "the file system's clock did not move past " << path;
+}
+
+// Frozen: backbone.0.weight (1 MiB), then backbone.1.weight (1 MiB) + count (0.5 MiB) over the
+// limit, so three frozen shards; the head (256 KiB) is the fourth.
+const std::vector<std::string> kShards = {
+    "model-00001-of-00004.safetensors", "model-00002-of-00004.safetensors",
+    "model-00003-of-00004.safetensors", "model-00004-of-00004.safetensors"};
+
+TEST(Shards, ALargeComponentIsWrittenAsShardsWithAnIndexAndLoadsWhole) {
+  TempDir dir;
+  std::string path = dir / "checkpoint_0";
+  save_directory(path, state(0), {.step = 3}, Env::posix(), options());
+  std::vector<std::string> expected = kShards;
+  expected.insert(expected.begin(), "manifest.json");
+  expected.push_back("model.safetensors.index.json");
+  expected.push_back("optimizer.safetensors");  // small: one file, as before
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(testing::list_sorted(path), expected);
+  expect_holds(path, 0);
+  EXPECT_EQ(load_directory(path).info.step, 3);
+
+  // The index is Hugging Face's: total_size and every tensor's shard, in the model's order.
+  Json index = Json::parse(testing::read_bytes(path + "/model.safetensors.index.json"));
+  EXPECT_EQ(index["metadata"]["total_size"], (256 + 64 + 256) * 1024 * 4 + 65536 * 8 + 64 * 4);
+  std::vector<std::string> names;
+  for (const auto& [name, file] : index["weight_map"].items()) names.push_back(name);
+  EXPECT_EQ(names, (std::vector<std::string>{"backbone.0.weight", "head.weight",
+                                             "backbone.1.weight", "backbone.1.count",
+                                             "head.bias"}));
+  EXPECT_EQ(index["weight_map"]["backbone.0.weight"], kShards[0]);
+  EXPECT_EQ(index["weight_map"]["backbone.1.weight"], kShards[1]);
+  EXPECT_EQ(index["weight_map"]["backbone.1.count"], kShards[2]);
+  EXPECT_EQ(index["weight_map"]["head.weight"], kShards[3]);
+  EXPECT_EQ(index["weight_map"]["head.bias"], kShards[3]);
+  // Each shard is a whole container of its own; the state goes with the last.
+  EXPECT_EQ(load_file(path + "/" + kShards[0]).tensors.size(), 1u);
+  EXPECT_TRUE(load_file(path + "/" + kShards[0]).state.empty());
+  EXPECT_EQ(load_file(path + "/" + kShards[3]).state["step"], 0);
+  // A manifest listing shards is format 2: older readers refuse it instead of misreading it.
+  Json manifest = Json::parse(testing::read_bytes(path + "/manifest.json"));
+  EXPECT_EQ(manifest["format_version"], "2.0");
+  EXPECT_EQ(manifest["files"][kShards[1]]["shard"], Json::array({2, 4}));
+
+  // Without shard_size, the same state is one file per component, with the same tensors.
+  SaveDirectoryOptions whole;
+  whole.shard_size = 0;
+  save_directory(dir / "whole", state(0), {}, Env::posix(), whole);
+  EXPECT_EQ(testing::list_sorted(dir / "whole"),
+            (std::vector<std::string>{"manifest.json", "model.safetensors",
+                                      "optimizer.safetensors"}));
+  EXPECT_EQ(Json::parse(testing::read_bytes(dir / "whole/manifest.json"))["format_version"],
+            "1.0");
+}
+
+// Python users read the shards as any Hugging Face sharded checkpoint: through the index with
+// safetensors, and with accelerate's loader of sharded checkpoints into a torch module.
+TEST(Shards, PythonReadsTheShardsThroughTheIndex) {
+  TempDir dir;
+  std::string path = dir / "checkpoint_0";
+  save_directory(path, state(0), {}, Env::posix(), options());
+  save_file(dir / "reference.safetensors", state(0)[0].contents);
+  testing::CommandOutput out =
+      testing::run_python_script("sharded_check.py", {path, "model", dir / "reference.safetensors"});
+  EXPECT_EQ(out.status, 0) << out.output;
+  EXPECT_NE(out.output.find("ok: 5 tensors from 4 shards"), std::string::npos) << out.output;
+}
+
+TEST(Shards, ComponentNamesShapedLikeShardsAreRefused) {
+  TempDir dir;
+  testing::expect_error(
+      [&] {
+        save_directory(dir / "c", {{"model-00001-of-00002", {{{"x", at::ones({2})}}, {}}}});
+      },
+      ErrorCode::InvalidArgument, {"model-00001-of-00002", "shard"});
+  EXPECT_FALSE(Env::posix().stat(dir / "c").exists);
+}
+
+TEST(Shards, ADamagedIndexOrMissingShardIsReportedAndNothingLoads) {
+  TempDir dir;
+  std::string path = dir / "checkpoint_0";
+  save_directory(path, state(0), {}, Env::posix(), options());
+  std::string index = path + "/model.safetensors.index.json";
+  std::string original = testing::read_bytes(index);
+  std::string edited = original;
+  edited.replace(edited.find("model-00004"), 11, "model-00003");  // head moved to another shard
+  testing::write_bytes(index, edited);
+  testing::expect_error([&] { load_directory(path); }, ErrorCode::Corruption,
+                        {"model.safetensors.index.json", "checksum"});
+  EXPECT_FALSE(verify(path).ok());
+  testing::write_bytes(index, original);
+  expect_holds(path, 0);
+
+  std::rename((path + "/" + kShards[2]).c_str(), (dir / "aside").c_str());
+  testing::expect_error([&] { load_directory(path); }, ErrorCode::Corruption,
+                        {kShards[2], "missing"});
+  VerifyReport report = verify(path);
+  ASSERT_FALSE(report.ok());
+  EXPECT_NE(report.problems.front().find(kShards[2]), std::string::npos);
+}
+
+TEST(Incremental, UnchangedShardsAreHardLinkedAndOnlyTheChangedOnesWritten) {
+  TempDir dir;
+  std::string first = dir / "checkpoint_0", second = dir / "checkpoint_1";
+  save_directory(first, state(0), {}, Env::posix(), options());
+  save_directory(second, state(1), {}, Env::posix(), options(first));
+  for (int k = 0; k < 3; ++k) {
+    EXPECT_TRUE(same_file(first + "/" + kShards[k], second + "/" + kShards[k])) << kShards[k];
+    EXPECT_EQ(stat_of(second + "/" + kShards[k]).st_nlink, 2u);
+  }
+  EXPECT_FALSE(same_file(first + "/" + kShards[3], second + "/" + kShards[3]));
+  expect_holds(first, 0);
+  expect_holds(second, 1);
+
+  // The listing tells what is shared: the three frozen shards.
+  std::uint64_t frozen_bytes = 0;
+  for (int k = 0; k < 3; ++k) frozen_bytes += testing::file_size(second + "/" + kShards[k]);
+  CheckpointListing listing = list_checkpoints(dir.path());
+  ASSERT_EQ(listing.entries.size(), 2u);
+  for (const ListedCheckpoint& e : listing.entries) EXPECT_EQ(e.shared_bytes, frozen_bytes);
+
+  // Deleting the older checkpoint (as total_limit does) leaves the newer one whole.
+  Env::posix().remove_all(first);
+  expect_holds(second, 1);
+  EXPECT_EQ(stat_of(second + "/" + kShards[0]).st_nlink, 1u);
+  EXPECT_EQ(list_checkpoints(dir.path()).entries.at(0).shared_bytes, 0u);
+
+  // A chain: the third links from the second, whose shards came from the deleted first.
+  std::string third = dir / "checkpoint_2";
+  save_directory(third, state(2), {}, Env::posix(), options(second));
+  EXPECT_TRUE(same_file(second + "/" + kShards[0], third + "/" + kShards[0]));
+  expect_holds(third, 2);
+}
+
+TEST(Incremental, ATensorChangedInPlaceIsAlwaysWritten) {
+  TempDir dir;
+  std::vector<Component> s = state(0);
+  std::string first = dir / "a", second = dir / "b";
+  save_directory(first, s, {}, Env::posix(), options());
+  // A write through the raw pointer: same storage, same version counter, new bytes (one bit
+  // flipped: make_tensor's random floats are often too large for an added 1 to change them).
+  at::Tensor frozen = s[0].contents.tensors[2].second;  // backbone.1.weight: shard 2
+  static_cast<std::uint8_t*>(frozen.data_ptr())[12345 * sizeof(float)] ^= 0x01;
+  save_directory(second, s, {}, Env::posix(), options(first));
+  EXPECT_TRUE(same_file(first + "/" + kShards[0], second + "/" + kShards[0]));
+  EXPECT_FALSE(same_file(first + "/" + kShards[1], second + "/" + kShards[1]));
+  EXPECT_TRUE(same_file(first + "/" + kShards[2], second + "/" + kShards[2]));
+  DirectoryCheckpoint loaded = load_directory(second);
+  EXPECT_TRUE(testing::bitwise_equal(loaded.components[0].contents.tensors[2].second, frozen));
+  EXPECT_FALSE(testing::bitwise_equal(load_directory(first).components[0].contents.tensors[2].second,
+                                      frozen));
+}
+
+TEST(Incremental, AShardChangedAfterItsCommitIsNotLinkedButWrittenAgain) {
+  TempDir dir;
+  std::string first = dir / "a", second = dir / "b";
+  save_directory(first, state(0), {}, Env::posix(), options());
+  // Bit rot or a stray write in a tensor's bytes: the header and manifest still agree, only the
+  // data checksum fails. The file's modification time betrays it; the new save writes its own.
+  wait_for_a_later_tick(dir.path(), first + "/manifest.json");
+  testing::flip_bit(first + "/" + kShards[0], testing::file_size(first + "/" + kShards[0]) - 100,
+                    3);
+  save_directory(second, state(1), {}, Env::posix(), options(first));
+  EXPECT_FALSE(same_file(first + "/" + kShards[0], second + "/" + kShards[0]));
+  EXPECT_TRUE(same_file(first + "/" + kShards[1], second + "/" + kShards[1]));
+  expect_holds(second, 1);
+  VerifyReport report = verify(first);
+  ASSERT_FALSE(report.ok());
+  EXPECT_NE(report.problems.front().find(kShards[0]), std::string::npos);
+}
+
+TEST(Incremental, ALinkedShardCorruptedOrDeletedUnderOneCheckpoint) {
+  TempDir dir;
+  std::string first = dir / "a", second = dir / "b";
+  save_directory(first, state(0), {}, Env::posix(), options());
+  save_directory(second, state(1), {}, Env::posix(), options(first));
+  // Deleted under the first: the second still has its own name for the same bytes.
+  Env::posix().remove_file(first + "/" + kShards[1]);
+  expect_holds(second, 1);
+  EXPECT_FALSE(verify(first).ok());
+  testing::expect_error([&] { load_directory(first); }, ErrorCode::Corruption, {kShards[1]});
+  // Corrupted through the first's name: one file, so both checkpoints see it and say where.
+  testing::flip_bit(first + "/" + kShards[0], testing::file_size(first + "/" + kShards[0]) - 8, 0);
+  for (const std::string& path : {first, second}) {
+    VerifyReport report = verify(path);
+    ASSERT_FALSE(report.ok()) << path;
+    bool named = false;
+    for (const std::string& p : report.problems) named |= p.find(kShards[0]) != std::string::npos;
+    EXPECT_TRUE(named) << report.problems.front();
+  }
+  testing::expect_error([&] { load_directory(second); }, ErrorCode::Corruption, {kShards[0]});
+}
+
+TEST(Incremental, WhereHardLinksAreRefusedTheShardIsWrittenAgain) {
+  TempDir dir;
+  std::string first = dir / "a", second = dir / "b";
+  save_directory(first, state(0), {}, Env::posix(), options());
+  FaultEnv env;
+  env.fail_nth({Op::Link}, 1, EXDEV, /*persistent=*/true);
+  save_directory(second, state(1), {}, env, options(first));
+  EXPECT_EQ(env.faults_fired(), 3u);  // one refused link per frozen shard
+  for (const std::string& shard : kShards) {
+    EXPECT_FALSE(same_file(first + "/" + shard, second + "/" + shard)) << shard;
+  }
+  expect_holds(second, 1);
+  expect_holds(first, 0);
+}
+
+TEST(Incremental, EveryCallOfALinkingSaveFailsInTurn) {
+  for (bool persistent : {false, true}) {
+    TempDir dir;
+    std::string first = dir / "checkpoint_0", second = dir / "checkpoint_1";
+    save_directory(first, state(0), {}, Env::posix(), options());
+    std::uint64_t failures = 0;
+    for (std::uint64_t n = 1;; ++n) {
+      SCOPED_TRACE(fmt::format("EIO at call {} ({})", n, persistent ? "persistent" : "once"));
+      FaultEnv env;
+      env.fail_nth(testing::all_ops(), n, EIO, persistent);
+      try {
+        save_directory(second, state(1), {}, env, options(first));
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("injected"), std::string::npos) << e.what();
+      }
+      expect_holds(first, 0);
+      if (Env::posix().stat(second).exists) {
+        expect_holds(second, 1);  // committed (a failure after the rename, or a refused link)
+        Env::posix().remove_all(second);
+      }
+      if (env.faults_fired() == 0) break;
+      ++failures;
+      ASSERT_LT(n, 2000u);
+    }
+    EXPECT_GT(failures, 30u);
+  }
+}
+
+// Thrown by the hook to stop a save dead at a chosen call, as a power cut would.
+struct PowerCut {};
+
+TEST(Incremental, PowerCutsDuringALinkingSaveKeepOnlyCommittedCheckpoints) {
+  std::uint64_t cuts = 0;
+  for (PowerCutMode mode : {PowerCutMode::DropUnsynced, PowerCutMode::Garbage}) {
+    TempDir dir;
+    std::string first = dir / "checkpoint_0", second = dir / "checkpoint_1";
+    save_directory(first, state(0), {}, Env::posix(), options());
+    for (std::uint64_t k = 1;; ++k) {
+      SCOPED_TRACE(fmt::format("power cut ({}) before call {}", power_cut_mode_name(mode), k));
+      FaultEnv env;
+      env.set_real_syncs(false);
+      // Atomic: two shards are written at once, and the hook runs on both threads.
+      std::atomic<std::uint64_t> seen{0};
+      std::atomic<bool> cut{false};
+      env.set_before_op([&](Op, const std::string&) {
+        if (++seen >= k) {
+          cut = true;
+          throw PowerCut{};
+        }
+      });
+      try {
+        save_directory(second, state(1), {}, env, options(first));
+      } catch (const PowerCut&) {
+      }
+      env.set_before_op(nullptr);
+      env.simulate_power_cut(mode, k);
+      ++cuts;
+      expect_holds(first, 0);
+      if (Env::posix().stat(second).exists) {
+        expect_holds(second, 1);  // whatever survived under the final name is whole
+        Env::posix().remove_all(second);
+      }
+      if (!cut) break;
+      ASSERT_LT(k, 2000u);
+    }
+  }
+  EXPECT_GT(cuts, 40u);
+}
+
+}  // namespace
+}  // namespace torchpoint
