@@ -32,6 +32,7 @@
 
 #include "io/huge_pages.h"
 #include "s2_model.h"
+#include "torchpoint/accelerator.h"
 #include "torchpoint/async_save.h"
 #include "torchpoint/checkpoint_dir.h"
 #include "torchpoint/optimizer_state.h"
@@ -75,6 +76,7 @@ struct Options {
   std::vector<std::string> states = {"S1", "S2", "S3", "J"};
   bool async = true;  // the A section, over the tensor states
   bool into = true;   // the L section, over the tensor states
+  bool incremental = true;  // S4, and S2 saved sharded against one file per component
 };
 
 struct State {
@@ -1056,11 +1058,170 @@ void run_keys_bench(const Options& options, const std::string& dir, std::FILE* t
   }
 }
 
+// ---- S4: incremental saves ------------------------------------------------------------------
+//
+// Fine-tuning: a frozen backbone of 300 MiB (75 Linear 1024 -> 1024) under a trainable 10 MiB
+// head (Linear 1024 -> 2560) with Adam, saved by the Accelerator after each training step, as a
+// user's loop saves. "save": every save writes everything (incremental off, the default shards);
+// "save_incremental": the same saves with incremental on, after a first untimed one, so each
+// hard-links the backbone's shards from the previous checkpoint and writes the head and Adam.
+// Both keep total_limit(2), so each timed save also deletes a checkpoint. bytes_written is what
+// a save added to the disk: the files of the new checkpoint that no other checkpoint shares.
+//
+// S2 (everything changes between saves, shards included) as one file per component (shard
+// size 0, as before shards existed) and with the default shards and a link source: every shard
+// differs, so it shows what comparing and sharding cost when nothing can be shared.
+
+struct S4Job {
+  explicit S4Job(const std::string& project, bool incremental, bool quick)
+      : acc(torchpoint::ProjectConfiguration()
+                .project_dir(project)
+                .automatic_checkpoint_naming(true)
+                .total_limit(2)
+                .incremental(incremental)) {
+    torch::manual_seed(4);
+    const int layers = quick ? 8 : 75;
+    for (int i = 0; i < layers; ++i) {
+      torch::nn::Linear layer(1024, 1024);
+      for (at::Tensor& p : layer->parameters()) p.requires_grad_(false);
+      model->push_back(layer);
+      model->push_back(torch::nn::ReLU());
+    }
+    torch::nn::Linear head(1024, quick ? 256 : 2560);
+    model->push_back(head);
+    adam = std::make_unique<torch::optim::Adam>(head->parameters(),
+                                                torch::optim::AdamOptions(1e-4));
+    acc.prepare(model, *adam);
+  }
+  void step() {
+    at::Tensor x = torch::randn({8, 1024});
+    adam->zero_grad();
+    acc.backward(model->forward(x).pow(2).mean());
+    adam->step();
+  }
+  torchpoint::Accelerator acc;
+  torch::nn::Sequential model;
+  std::unique_ptr<torch::optim::Adam> adam;
+};
+
+// Bytes of the files in `checkpoint` that have no other name (not shared with a checkpoint).
+std::uint64_t unshared_bytes(const std::string& checkpoint) {
+  std::uint64_t bytes = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(checkpoint)) {
+    if (entry.is_regular_file() && std::filesystem::hard_link_count(entry.path()) == 1) {
+      bytes += entry.file_size();
+    }
+  }
+  return bytes;
+}
+
+std::uint64_t all_bytes(const std::string& checkpoint) {
+  std::uint64_t bytes = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(checkpoint)) {
+    if (entry.is_regular_file()) bytes += entry.file_size();
+  }
+  return bytes;
+}
+
+void run_incremental_bench(const Options& options, const std::vector<State>& states,
+                           const std::string& dir, std::FILE* table, std::FILE* json) {
+  std::fprintf(stderr, "S4: building...\n");
+  S4Job full(dir + "/s4-full", /*incremental=*/false, options.quick);
+  S4Job incremental(dir + "/s4-incremental", /*incremental=*/true, options.quick);
+  incremental.step();
+  incremental.acc.save_state();  // what the next one links from; untimed
+  std::array<std::vector<double>, 2> seconds;
+  std::array<std::vector<double>, 2> written;
+  std::uint64_t total = 0;
+  for (int rep = 0; rep < options.reps; ++rep) {
+    for (int kind : {0, 1}) {  // alternating, so that drift in the disk's speed hits both
+      S4Job& job = kind == 0 ? full : incremental;
+      job.step();
+      std::string path;
+      seconds[kind].push_back(time_seconds([&] { path = job.acc.save_state(); }));
+      written[kind].push_back(static_cast<double>(unshared_bytes(path)));
+      total = all_bytes(path);
+    }
+  }
+  const char* ops[2] = {"save", "save_incremental"};
+  fmt::print(table,
+             "\nS4: fine-tuning, frozen {} MiB backbone + trainable head with Adam, saved by the "
+             "Accelerator after each step (median of {} reps; checkpoint {} MiB)\n",
+             options.quick ? 32 : 300, options.reps, mib(static_cast<std::int64_t>(total)));
+  fmt::print(table, "  {:<17} {:>9} {:>15}\n", "op", "seconds", "MiB written");
+  for (int kind : {0, 1}) {
+    fmt::print(table, "  {:<17} {:>9.3f} {:>15.1f}\n", ops[kind], median(seconds[kind]),
+               median(written[kind]) / kMiB);
+  }
+  const double time_ratio = median(seconds[1]) / median(seconds[0]);
+  const double bytes_ratio = median(written[1]) / median(written[0]);
+  fmt::print(table,
+             "  incremental / full: time {:.2f} (target <= 0.15), bytes added {:.3f} (target <= "
+             "0.1)\n",
+             time_ratio, bytes_ratio);
+  if (json != nullptr) {
+    for (int kind : {0, 1}) {
+      nlohmann::ordered_json line = record("S4", ops[kind], "torchpoint", seconds[kind], total,
+                                           options.reps);
+      line["bytes_written"] = static_cast<std::uint64_t>(median(written[kind]));
+      fmt::print(json, "{}\n", line.dump());
+    }
+  }
+
+  // S2, everything changed between saves: one file per component against shards + link source.
+  auto s2 = std::find_if(states.begin(), states.end(), [](const State& s) { return s.name == "S2"; });
+  if (s2 == states.end()) return;
+  std::vector<torchpoint::Component> components(2);
+  components[0].name = "model";
+  components[1].name = "optimizer";
+  for (const auto& [name, tensor] : s2->data.tensors) {
+    components[name.starts_with("model.") ? 0 : 1].contents.tensors.emplace_back(name, tensor);
+  }
+  std::array<std::vector<double>, 2> s2_seconds;
+  std::array<std::string, 2> previous;
+  for (int rep = 0; rep < options.reps + 1; ++rep) {
+    for (int kind : {0, 1}) {
+      {
+        // Every tensor changes, in place, as a training step changes it; untimed.
+        torch::NoGradGuard no_grad;
+        for (auto& c : components) {
+          for (auto& [name, tensor] : c.contents.tensors) {
+            if (tensor.is_floating_point()) tensor.mul_(1.0001);
+          }
+        }
+      }
+      torchpoint::SaveDirectoryOptions o;
+      if (kind == 0) o.shard_size = 0;
+      if (kind == 1) o.link_from = previous[kind];
+      std::string path = fmt::format("{}/s2-{}-{}", dir, kind, rep);
+      double t = time_seconds([&] { torchpoint::save_directory(path, components, {}, torchpoint::Env::posix(), o);
+      });
+      if (rep > 0) s2_seconds[kind].push_back(t);  // the first has nothing to link from
+      if (!previous[kind].empty()) std::filesystem::remove_all(previous[kind]);
+      previous[kind] = path;
+    }
+  }
+  const char* systems[2] = {"torchpoint-one-file", "torchpoint-sharded"};
+  fmt::print(table,
+             "S2 saved as a directory, every tensor changed since the last save: one file per "
+             "component {:.3f} s, sharded (128 MiB) with a link source {:.3f} s (ratio {:.2f})\n",
+             median(s2_seconds[0]), median(s2_seconds[1]),
+             median(s2_seconds[1]) / median(s2_seconds[0]));
+  if (json != nullptr) {
+    for (int kind : {0, 1}) {
+      fmt::print(json, "{}\n",
+                 record("S2", "save_directory", systems[kind], s2_seconds[kind], s2->bytes,
+                        options.reps)
+                     .dump());
+    }
+  }
+}
+
 // ---- Command line ---------------------------------------------------------------------------
 
 constexpr const char* kUsage =
     "usage: torchpoint_bench [--reps N] [--states S1,S2,S3,J] [--dir PATH] [--hot] [--no-recycle]\n"
-    "                        [--no-async] [--no-into] [--quick] [--json]\n"
+    "                        [--no-async] [--no-into] [--no-incremental] [--quick] [--json]\n"
     "  --reps N       timed repetitions per case (default 5); medians are reported\n"
     "  --states LIST  subset of S1 (256 MiB tensor), S2 (model + Adam), S3 (20k small tensors),\n"
     "                 J (20k and 100k JSON values in a state file and in a manifest)\n"
@@ -1069,6 +1230,7 @@ constexpr const char* kUsage =
     "  --no-recycle   skip writing+unlinking a same-size file before each op (VM idle effect)\n"
     "  --no-async     skip A: async saves against memcpy, O_DIRECT + fsync and the sync save\n"
     "  --no-into      skip L: loads into existing memory against pread into it\n"
+    "  --no-incremental  skip S4 (incremental saves of a frozen backbone) and S2 saved sharded\n"
     "  --quick        small states for a smoke run (S1 16 MiB, S2 2 blocks, S3 2000 tensors)\n"
     "  --json         one JSON object per (state, op, system) on stdout; the table goes to "
     "stderr\n";
@@ -1110,6 +1272,8 @@ Options parse_options(int argc, char** argv) {
       o.json = true;
     } else if (arg == "--no-into") {
       o.into = false;
+    } else if (arg == "--no-incremental") {
+      o.incremental = false;
     } else if (arg == "--no-async") {
       o.async = false;
     } else if (arg == "--quick") {
@@ -1162,6 +1326,10 @@ int main(int argc, char** argv) {
         ScratchDir dir(options.dir);
         run_into_bench(options, states, dir.path(), table, options.json ? stdout : nullptr);
       }
+    }
+    if (options.incremental) {
+      ScratchDir dir(options.dir);
+      run_incremental_bench(options, states, dir.path(), table, options.json ? stdout : nullptr);
     }
     if (std::find(options.states.begin(), options.states.end(), "J") != options.states.end()) {
       ScratchDir dir(options.dir);
