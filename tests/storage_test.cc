@@ -838,6 +838,56 @@ TEST(Golden, Version1FilesLoadBitIdentically) {
   EXPECT_TRUE(verify(golden("checkpoint_1")).ok());
 }
 
+// Format 2.0: a directory checkpoint whose model is sharded (tests/data/golden_v2/checkpoint_1,
+// committed). With TORCHPOINT_WRITE_GOLDEN=1 and the folder absent, this writes it instead.
+std::vector<Component> golden_v2_components() {
+  return {{"model",
+           {{{"frozen.a", at::arange(8, at::kFloat).reshape({2, 4})},
+             {"frozen.b", at::arange(3, at::kLong)},
+             {"head.w", at::tensor({1.5f, -2.0f})}},
+            {{"kind", "golden-sharded"}}}},
+          {"optimizer", {{{"step", at::scalar_tensor(int64_t{5}, at::kLong)}}, {{"type", "Adam"}}}}};
+}
+
+TEST(Golden, Version2ShardedCheckpointLoadsWhole) {
+  const char* src = std::getenv("TORCHPOINT_SOURCE_DIR");
+  const std::string path = std::string(src ? src : ".") + "/tests/data/golden_v2/checkpoint_1";
+  const char* write = std::getenv("TORCHPOINT_WRITE_GOLDEN");
+  if (write != nullptr && std::string(write) == "1" && !Env::posix().stat(path).exists) {
+    SaveDirectoryOptions o;
+    o.shard_size = 32;  // frozen.a fills shard 1, frozen.b shard 2, head.w shard 3
+    o.frozen = {"model/frozen.a", "model/frozen.b"};
+    CheckpointInfo info;
+    info.step = 5;
+    info.iteration = 1;
+    info.metadata = {{"run", "golden-v2"}};
+    save_directory(path, golden_v2_components(), info, Env::posix(), o);
+  }
+  std::vector<std::string> files = testing::list_sorted(path);
+  EXPECT_EQ(files, (std::vector<std::string>{
+                       "manifest.json", "model-00001-of-00003.safetensors",
+                       "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors",
+                       "model.safetensors.index.json", "optimizer.safetensors"}));
+  DirectoryCheckpoint d = load_directory(path);
+  EXPECT_EQ(d.info.step, 5);
+  EXPECT_EQ(d.info.metadata, Json({{"run", "golden-v2"}}));
+  std::vector<Component> expected = golden_v2_components();
+  ASSERT_EQ(d.components.size(), expected.size());
+  for (std::size_t c = 0; c < expected.size(); ++c) {
+    EXPECT_EQ(d.components[c].name, expected[c].name);
+    EXPECT_EQ(d.components[c].contents.state, expected[c].contents.state);
+    ASSERT_EQ(d.components[c].contents.tensors.size(), expected[c].contents.tensors.size());
+    for (std::size_t t = 0; t < expected[c].contents.tensors.size(); ++t) {
+      EXPECT_EQ(d.components[c].contents.tensors[t].first, expected[c].contents.tensors[t].first);
+      EXPECT_TRUE(testing::bitwise_equal(d.components[c].contents.tensors[t].second,
+                                         expected[c].contents.tensors[t].second));
+    }
+  }
+  EXPECT_TRUE(verify(path).ok());
+  EXPECT_NE(testing::read_bytes(path + "/manifest.json").find("\"format_version\": \"2.0\""),
+            std::string::npos);
+}
+
 TEST(Golden, TodaysWriterStillProducesTheVersion1Bytes) {
   // While the format version is 1.0 and the library 0.1.0, a save is byte-identical to the golden.
   if (std::string(TORCHPOINT_TEST_VERSION) != "0.1.0") GTEST_SKIP() << "library version changed";
