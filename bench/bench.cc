@@ -74,7 +74,7 @@ struct Options {
   bool quick = false;
   bool hot = false;
   bool recycle = true;
-  std::vector<std::string> states = {"S1", "S2", "S3", "J"};
+  std::vector<std::string> states = {"S1", "S2", "S3", "S4", "J"};
   bool async = true;  // the A section, over the tensor states
   bool into = true;   // the L section, over the tensor states
   bool incremental = true;  // S4, and S2 saved sharded against one file per component
@@ -1272,7 +1272,8 @@ constexpr const char* kUsage =
     "                        [--no-async] [--no-into] [--no-incremental] [--quick] [--json]\n"
     "  --reps N       timed repetitions per case (default 5); medians are reported\n"
     "  --states LIST  subset of S1 (256 MiB tensor), S2 (model + Adam), S3 (20k small tensors),\n"
-    "                 J (20k and 100k JSON values in a state file and in a manifest)\n"
+    "                 S4 (frozen backbone + head: full and incremental saves; with S2, also S2\n"
+    "                 saved sharded), J (20k and 100k JSON values in a state file and a manifest)\n"
     "  --dir PATH     scratch directory (default: a new directory under the temp dir, removed)\n"
     "  --hot          load from the page cache instead of cold (the default)\n"
     "  --no-recycle   skip writing+unlinking a same-size file before each op (VM idle effect)\n"
@@ -1308,8 +1309,8 @@ Options parse_options(int argc, char** argv) {
       for (std::size_t start = 0; start <= list.size();) {
         std::size_t comma = std::min(list.find(',', start), list.size());
         std::string name = list.substr(start, comma - start);
-        if (name != "S1" && name != "S2" && name != "S3" && name != "J") {
-          throw std::invalid_argument("unknown state '" + name + "' (use S1, S2, S3, J)");
+        if (name != "S1" && name != "S2" && name != "S3" && name != "S4" && name != "J") {
+          throw std::invalid_argument("unknown state '" + name + "' (use S1, S2, S3, S4, J)");
         }
         if (std::find(o.states.begin(), o.states.end(), name) == o.states.end()) {
           o.states.push_back(name);
@@ -1354,7 +1355,7 @@ int main(int argc, char** argv) {
     torch::manual_seed(0);
     std::vector<State> states;
     for (const std::string& name : options.states) {
-      if (name == "J") continue;  // built and run apart, after the tensor states
+      if (name == "J" || name == "S4") continue;  // built and run apart, after S1-S3
       std::fprintf(stderr, "building %s...\n", name.c_str());
       if (name == "S1") states.push_back(make_s1(options.quick));
       if (name == "S2") states.push_back(make_s2(options.quick));
@@ -1375,7 +1376,8 @@ int main(int argc, char** argv) {
         run_into_bench(options, states, dir.path(), table, options.json ? stdout : nullptr);
       }
     }
-    if (options.incremental) {
+    if (options.incremental &&
+        std::find(options.states.begin(), options.states.end(), "S4") != options.states.end()) {
       ScratchDir dir(options.dir);
       run_incremental_bench(options, states, dir.path(), table, options.json ? stdout : nullptr);
     }
