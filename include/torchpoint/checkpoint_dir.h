@@ -43,8 +43,8 @@ struct SaveDirectoryOptions {
   std::function<void(const std::string& dir)> before_components;
   // A component whose tensors hold more than this many bytes is written as shards of at most
   // about this size, in Hugging Face's layout: <name>-00001-of-0000N.safetensors ... and
-  // <name>.safetensors.index.json. Each shard is a whole container with its checksums; two are
-  // written at once. 0: never shard. Loading gives the component whole, as if it were one file.
+  // <name>.safetensors.index.json. Each shard is a whole container with its checksums; two files
+  // are written at once while two more threads compare shards with link_from. 0: never shard. Loading gives the component whole, as if it were one file.
   std::uint64_t shard_size = kDefaultShardSize;
   // Tensors expected to keep their bytes from save to save (frozen parameters, buffers), as
   // "<component>/<tensor>": a sharded component keeps them in shards of their own, so that

@@ -2,10 +2,12 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <atomic>
-#include <map>
 #include <chrono>
+#include <condition_variable>
+#include <deque>
 #include <exception>
+#include <map>
+#include <mutex>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
@@ -183,60 +185,151 @@ WrittenComponent WrittenComponent::from_json(const Json& json, const std::string
 
 namespace {
 
-// Shards written at once. Each write already overlaps its own copy-and-hash with its writes on
-// a second thread; a second shard keeps the device busy while the first one's filler hashes,
-// and more than two would only compete for the same cores and disk queue.
-constexpr std::size_t kParallelShards = 2;
-
-// Writes shard `k` (from 1) of `shards`, or links it from `link_source` when it holds the same.
-WrittenComponent write_shard(Env& env, const std::string& dir, const std::string& component,
-                             int k, int shards, const Container& contents,
-                             const LinkSource* link_source) {
-  WrittenComponent out;
-  out.file_name = shard_file_name(component, k, shards);
-  out.component = component;
-  out.shard = k;
-  out.shards = shards;
-  std::string path = join_path(dir, out.file_name);
-  if (link_source != nullptr) {
-    if (auto found = link_source->find(out.file_name, contents)) {
-      try {
-        env.link(found->first, path);
-        out.size = found->second.size;
-        out.header_checksum = found->second.header_checksum;
-        out.linked = true;
-        return out;
-      } catch (const Error&) {
-        // Deliberately swallowed: no hard links here (another file system, a link limit, an
-        // Env without them). Writing the same bytes from memory is the copy.
-        if (env.stat(path).exists) env.remove_file(path);
-      }
-    }
+// One file of a save: a whole component, or shard `shard` of `shards` of one.
+struct FileTask {
+  const Component* component = nullptr;
+  int shard = 0;
+  int shards = 0;
+  Container shard_contents;  // a shard's tensors (sharing the component's memory) and state
+  bool compare = false;      // a shard that the link source may hold unchanged
+  bool frozen = false;       // its tensors are the frozen ones (plan_shards keeps them apart)
+  const Container& contents() const {
+    return shards > 0 ? shard_contents : component->contents;
   }
-  WrittenFile written = write_container(env, path, contents, /*hugging_face_format=*/true);
-  out.size = written.size;
-  out.header_checksum = written.header_checksum;
-  return out;
+  WrittenComponent out;
+};
+
+// How the files of a save are made when something is sharded. Comparing a shard with the link
+// source is reading memory (XXH3 of its tensors): kComparers threads, one a core of this kind
+// of machine. Writing is mostly waiting for the disk (each write already overlaps its own
+// copy-and-hash with its writes on a second thread): kWriters threads keep two files in flight,
+// and more would only compete for the same disk queue. The two run at once, so an incremental
+// save writes what changed while it proves the rest unchanged.
+constexpr std::size_t kComparers = 2;
+constexpr std::size_t kWriters = 2;
+
+// Writes `task`'s file as a container.
+void write_file(Env& env, const std::string& dir, FileTask& task) {
+  WrittenFile written =
+      write_container(env, join_path(dir, task.out.file_name), task.contents(),
+                      /*hugging_face_format=*/task.shards > 0);
+  task.out.size = written.size;
+  task.out.header_checksum = written.header_checksum;
 }
 
-}  // namespace
+// Hard-links `task` from `link_source` when it holds the same shard; false when it must be
+// written.
+bool link_file(Env& env, const std::string& dir, const LinkSource& link_source, FileTask& task) {
+  auto found = link_source.find(task.out.file_name, task.contents());
+  if (!found) return false;
+  std::string path = join_path(dir, task.out.file_name);
+  try {
+    env.link(found->first, path);
+  } catch (const Error&) {
+    // Deliberately swallowed: no hard links here (another file system, a link limit, an Env
+    // without them). Writing the same bytes from memory is the copy.
+    if (env.stat(path).exists) env.remove_file(path);
+    return false;
+  }
+  task.out.size = found->second.size;
+  task.out.header_checksum = found->second.header_checksum;
+  task.out.linked = true;
+  return true;
+}
 
-std::vector<WrittenComponent> write_component(Env& env, const std::string& dir,
-                                              const Component& component,
-                                              const SaveDirectoryOptions& options,
-                                              const LinkSource* link_source) {
+// Runs every task: the comparable ones on the comparers (those that differ go on to the
+// writers), the others on the writers. The first error stops the rest and is rethrown.
+void run_tasks(Env& env, const std::string& dir, std::vector<FileTask>& tasks,
+               const LinkSource* link_source) {
+  std::mutex mutex;
+  std::condition_variable changed;
+  std::deque<FileTask*> to_write, to_compare;
+  for (FileTask& t : tasks) (t.compare && link_source ? to_compare : to_write).push_back(&t);
+  // The shards of changing tensors first: they usually differ, and the writers can start on
+  // them while the frozen ones are proven unchanged.
+  std::stable_partition(to_compare.begin(), to_compare.end(),
+                        [](const FileTask* t) { return !t->frozen; });
+  std::size_t comparing = to_compare.size();  // not yet settled by a comparer
+  std::exception_ptr error;
+
+  auto fail = [&](std::exception_ptr e) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!error) error = e;
+    changed.notify_all();
+  };
+  auto comparer = [&] {
+    for (;;) {
+      FileTask* task = nullptr;
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (error || to_compare.empty()) return;
+        task = to_compare.front();
+        to_compare.pop_front();
+      }
+      try {
+        bool linked = link_file(env, dir, *link_source, *task);
+        std::lock_guard<std::mutex> lock(mutex);
+        if (!linked) to_write.push_back(task);
+        --comparing;
+        changed.notify_all();
+      } catch (...) {
+        fail(std::current_exception());
+        return;
+      }
+    }
+  };
+  auto writer = [&] {
+    for (;;) {
+      FileTask* task = nullptr;
+      {
+        std::unique_lock<std::mutex> lock(mutex);
+        changed.wait(lock, [&] { return error || !to_write.empty() || comparing == 0; });
+        if (error || to_write.empty()) return;  // no more work, or a failure elsewhere
+        task = to_write.front();
+        to_write.pop_front();
+      }
+      try {
+        write_file(env, dir, *task);
+      } catch (...) {
+        fail(std::current_exception());
+        return;
+      }
+    }
+  };
+  std::vector<std::thread> threads;
+  const std::size_t comparers = std::min(kComparers, to_compare.size());
+  const std::size_t writers = std::min(kWriters, tasks.size());
+  try {
+    for (std::size_t i = 0; i < comparers; ++i) threads.emplace_back(comparer);
+    for (std::size_t i = 1; i < writers; ++i) threads.emplace_back(writer);
+  } catch (...) {
+    fail(std::current_exception());  // no thread to be had: stop those that started
+  }
+  if (writers > 0) writer();
+  for (std::thread& t : threads) t.join();
+  if (error) std::rethrow_exception(error);
+}
+
+// The files of `component`: one task, or one per shard (its index is written by the caller).
+// Appends the index's weight map and total size to `indexes` when sharded.
+struct PlannedIndex {
+  const Component* component = nullptr;
+  WeightMap weight_map;
+  std::uint64_t total_size = 0;
+};
+
+void plan_files(const Component& component, const SaveDirectoryOptions& options,
+                std::vector<FileTask>& tasks, std::vector<PlannedIndex>& indexes) {
   check_component_name(component.name);
   std::vector<std::vector<std::size_t>> plan =
       plan_shards(component, options.shard_size, options.frozen);
   if (plan.empty()) {
-    std::string file_name = component_file_name(component.name);
-    WrittenFile written = write_container(env, join_path(dir, file_name), component.contents);
-    WrittenComponent out;
-    out.file_name = file_name;
-    out.component = component.name;
-    out.size = written.size;
-    out.header_checksum = written.header_checksum;
-    return {out};
+    FileTask task;
+    task.component = &component;
+    task.out.file_name = component_file_name(component.name);
+    task.out.component = component.name;
+    tasks.push_back(std::move(task));
+    return;
   }
   if (plan.size() > static_cast<std::size_t>(kMaxShards)) {
     throw Error(ErrorCode::InvalidArgument,
@@ -245,63 +338,47 @@ std::vector<WrittenComponent> write_component(Env& env, const std::string& dir,
                             component.name, plan.size(), kMaxShards));
   }
   const int shards = static_cast<int>(plan.size());
-  // The non-tensor state goes with the last shard, one of the changing tensors' when there are
-  // any, so that the frozen shards stay the same from save to save.
-  std::vector<Container> contents(plan.size());
-  WeightMap weight_map;
-  std::uint64_t total_size = 0;
+  PlannedIndex index;
+  index.component = &component;
+  std::vector<int> shard_of(component.contents.tensors.size());
   for (std::size_t k = 0; k < plan.size(); ++k) {
+    FileTask task;
+    task.component = &component;
+    task.shard = static_cast<int>(k) + 1;
+    task.shards = shards;
+    task.compare = true;
+    task.frozen = options.frozen.count(
+                      fmt::format("{}/{}", component.name,
+                                  component.contents.tensors[plan[k].front()].first)) > 0;
     for (std::size_t i : plan[k]) {
       const auto& [name, tensor] = component.contents.tensors[i];
-      contents[k].tensors.emplace_back(name, tensor);
-      total_size += static_cast<std::uint64_t>(tensor.numel()) *
-                    static_cast<std::uint64_t>(tensor.element_size());
+      task.shard_contents.tensors.emplace_back(name, tensor);
+      index.total_size += static_cast<std::uint64_t>(tensor.numel()) *
+                          static_cast<std::uint64_t>(tensor.element_size());
+      shard_of[i] = task.shard;
     }
+    // The non-tensor state goes with the last shard, one of the changing tensors' when there
+    // are any, so that the frozen shards stay the same from save to save.
+    if (task.shard == shards) task.shard_contents.state = component.contents.state;
+    task.out.file_name = shard_file_name(component.name, task.shard, shards);
+    task.out.component = component.name;
+    task.out.shard = task.shard;
+    task.out.shards = shards;
+    tasks.push_back(std::move(task));
   }
-  contents.back().state = component.contents.state;
   // The index lists the tensors in the component's own order, which loading restores.
-  {
-    std::vector<int> shard_of(component.contents.tensors.size());
-    for (std::size_t k = 0; k < plan.size(); ++k) {
-      for (std::size_t i : plan[k]) shard_of[i] = static_cast<int>(k) + 1;
-    }
-    for (std::size_t i = 0; i < shard_of.size(); ++i) {
-      weight_map.emplace_back(component.contents.tensors[i].first,
-                              shard_file_name(component.name, shard_of[i], shards));
-    }
+  for (std::size_t i = 0; i < shard_of.size(); ++i) {
+    index.weight_map.emplace_back(component.contents.tensors[i].first,
+                                  shard_file_name(component.name, shard_of[i], shards));
   }
+  indexes.push_back(std::move(index));
+}
 
-  std::vector<WrittenComponent> out(plan.size());
-  std::atomic<std::size_t> next{0};
-  std::atomic<bool> failed{false};
-  std::vector<std::exception_ptr> errors(kParallelShards);
-  auto work = [&](std::size_t worker) {
-    try {
-      for (std::size_t k = next++; k < plan.size() && !failed; k = next++) {
-        out[k] = write_shard(env, dir, component.name, static_cast<int>(k) + 1, shards,
-                             contents[k], link_source);
-      }
-    } catch (...) {
-      errors[worker] = std::current_exception();
-      failed = true;
-    }
-  };
-  {
-    std::vector<std::thread> helpers;
-    for (std::size_t w = 1; w < std::min(kParallelShards, plan.size()); ++w) {
-      helpers.emplace_back(work, w);
-    }
-    work(0);
-    for (std::thread& t : helpers) t.join();
-  }
-  for (const std::exception_ptr& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
-
-  std::string text = shard_index_text(weight_map, total_size);
+WrittenComponent write_index(Env& env, const std::string& dir, const PlannedIndex& planned) {
+  std::string text = shard_index_text(planned.weight_map, planned.total_size);
   WrittenComponent index;
-  index.file_name = shard_index_file_name(component.name);
-  index.component = component.name;
+  index.file_name = shard_index_file_name(planned.component->name);
+  index.component = planned.component->name;
   index.index = true;
   index.size = text.size();
   index.header_checksum = xxh3(text.data(), text.size());
@@ -309,7 +386,27 @@ std::vector<WrittenComponent> write_component(Env& env, const std::string& dir,
   file->write_all(text.data(), text.size(), 0);
   file->sync();
   file->close();
-  out.push_back(std::move(index));
+  return index;
+}
+
+}  // namespace
+
+std::vector<WrittenComponent> write_components(Env& env, const std::string& dir,
+                                               const std::vector<Component>& components,
+                                               const SaveDirectoryOptions& options,
+                                               const LinkSource* link_source) {
+  std::vector<FileTask> tasks;
+  std::vector<PlannedIndex> indexes;
+  for (const Component& c : components) plan_files(c, options, tasks, indexes);
+  if (indexes.empty()) {
+    // Nothing sharded: one file after the other on this thread, as they were before shards.
+    for (FileTask& task : tasks) write_file(env, dir, task);
+  } else {
+    run_tasks(env, dir, tasks, link_source);
+  }
+  std::vector<WrittenComponent> out;
+  for (FileTask& task : tasks) out.push_back(std::move(task.out));
+  for (const PlannedIndex& index : indexes) out.push_back(write_index(env, dir, index));
   return out;
 }
 
@@ -426,13 +523,7 @@ void save_directory(const std::string& path, const std::vector<Component>& compo
   for (const Component& c : components) names.push_back(c.name);
   DirectorySave save(env, path, names, options);
   LinkSource link_source(env, options.link_from);
-  std::vector<WrittenComponent> written;
-  for (const Component& c : components) {
-    for (WrittenComponent& f : write_component(env, save.temp_path(), c, options, &link_source)) {
-      written.push_back(std::move(f));
-    }
-  }
-  save.commit(written, info);
+  save.commit(write_components(env, save.temp_path(), components, options, &link_source), info);
 }
 
 // Opens the manifest of a directory checkpoint with a clear error when it is not one.

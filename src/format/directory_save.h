@@ -38,14 +38,17 @@ struct WrittenComponent {
 
 class LinkSource;
 
-// Writes `component` into `dir` as new files, each fsynced and closed: <name>.safetensors, or,
-// over options.shard_size, its shards (two written at once; those `link_source` holds unchanged
-// are hard-linked from it) followed by its index. Any writer. On failure the files already
-// written stay in `dir` (the caller's temporary directory, removed as a whole).
-std::vector<WrittenComponent> write_component(Env& env, const std::string& dir,
-                                              const Component& component,
-                                              const SaveDirectoryOptions& options = {},
-                                              const LinkSource* link_source = nullptr);
+// Writes `components` into `dir` as new files, each fsynced and closed: <name>.safetensors,
+// or, over options.shard_size, a component's shards followed by its index. Nothing sharded:
+// one file after another on the calling thread. Otherwise the shards that `link_source` may
+// hold unchanged are compared on two threads (and hard-linked when they match) while two
+// others write the rest. Returns the files in component order, shards in order, then the
+// indexes. Any writer. On failure the files already written stay in `dir` (the caller's
+// temporary directory, removed as a whole).
+std::vector<WrittenComponent> write_components(Env& env, const std::string& dir,
+                                               const std::vector<Component>& components,
+                                               const SaveDirectoryOptions& options = {},
+                                               const LinkSource* link_source = nullptr);
 
 class DirectorySave {
  public:

@@ -521,11 +521,9 @@ std::string Accelerator::save_state_distributed(const std::string& output_dir, b
     SaveDirectoryOptions options = directory_options(overwrite);
     std::optional<LinkSource> link_source;
     if (rank == 0) link_source.emplace(env_, options.link_from);
-    for (const auto& c : mine) {
-      for (const WrittenComponent& f :
-           write_component(env_, dir, c, options, link_source ? &*link_source : nullptr)) {
-        files.push_back(f.to_json());
-      }
+    for (const WrittenComponent& f :
+         write_components(env_, dir, mine, options, link_source ? &*link_source : nullptr)) {
+      files.push_back(f.to_json());
     }
   } catch (const std::exception&) {
     failure = std::current_exception();
