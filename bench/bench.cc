@@ -1145,8 +1145,9 @@ void run_incremental_bench(const Options& options, const std::vector<State>& sta
     }
   }
   // What an incremental save cannot avoid: reading every backbone byte to compare it (XXH3 on
-  // the calling thread; the save hashes on two) and writing what changed (O_DIRECT + fsync of
-  // as many bytes as the incremental save added, from a huge-page buffer).
+  // two threads, as the save compares shards) and writing what changed (O_DIRECT + fsync of as
+  // many bytes as the incremental save added, from a huge-page buffer). The save does both at
+  // once, so its floor is the longer of the two.
   std::vector<double> hash_s, write_s;
   {
     std::vector<at::Tensor> frozen;
@@ -1170,17 +1171,27 @@ void run_incremental_bench(const Options& options, const std::vector<State>& sta
     std::uint64_t sink = 0;
     for (int rep = 0; rep < options.reps; ++rep) {
       hash_s.push_back(time_seconds([&] {
-        for (const at::Tensor& t : frozen) {
-          sink ^= torchpoint::xxh3(t.data_ptr(), static_cast<std::size_t>(t.numel() *
-                                                                           t.element_size()));
-        }
+        std::uint64_t other = 0;
+        auto hash_half = [&](int half, std::uint64_t& out) {  // tensors split by bytes
+          std::uint64_t bytes[2] = {0, 0};
+          for (const at::Tensor& t : frozen) {
+            const std::size_t size = static_cast<std::size_t>(t.numel() * t.element_size());
+            const int to = bytes[0] <= bytes[1] ? 0 : 1;
+            bytes[to] += size;
+            if (to == half) out ^= torchpoint::xxh3(t.data_ptr(), size);
+          }
+        };
+        std::thread helper(hash_half, 1, std::ref(other));
+        hash_half(0, sink);
+        helper.join();
+        sink ^= other;
       }));
       const std::string path = dir + "/s4-o-direct";
       write_s.push_back(time_seconds(
           [&] { write_o_direct(path, static_cast<const std::uint8_t*>(raw), padded); }));
       std::filesystem::remove(path);
     }
-    fmt::print(table, "  (the backbone's {:.1f} MiB hashed: {:.3f} s on one thread; XXH3 {})\n",
+    fmt::print(table, "  (the backbone's {:.1f} MiB hashed: {:.3f} s on two threads; XXH3 {})\n",
                static_cast<double>(frozen_bytes) / kMiB, median(hash_s), sink == 0 ? "0" : "ok");
   }
   const char* ops[2] = {"save", "save_incremental"};
@@ -1199,14 +1210,13 @@ void run_incremental_bench(const Options& options, const std::vector<State>& sta
              "  incremental / full: time {:.2f} (target <= 0.15), bytes added {:.3f} (target <= "
              "0.1)\n",
              time_ratio, bytes_ratio);
+  const double floor_s = std::max(median(hash_s), median(write_s));
   fmt::print(table,
-             "  its floor: hashing the backbone {:.3f} s + O_DIRECT write + fsync of the {:.1f} MiB "
-             "it added {:.3f} s = {:.3f} s ({:.2f} of the full save; save_incremental / floor "
-             "{:.2f})\n",
+             "  its floor: the longer of hashing the backbone on two threads {:.3f} s and O_DIRECT "
+             "write + fsync of the {:.1f} MiB it added {:.3f} s ({:.2f} of the full save; "
+             "save_incremental / floor {:.2f})\n",
              median(hash_s), median(written[1]) / kMiB, median(write_s),
-             median(hash_s) + median(write_s),
-             (median(hash_s) + median(write_s)) / median(seconds[0]),
-             median(seconds[1]) / (median(hash_s) + median(write_s)));
+             floor_s / median(seconds[0]), median(seconds[1]) / floor_s);
   if (json != nullptr) {
     for (int kind : {0, 1}) {
       nlohmann::ordered_json line = record("S4", ops[kind], "torchpoint", seconds[kind], total,
