@@ -10,7 +10,10 @@ Usage: sharded_check.py CHECKPOINT COMPONENT REFERENCE.safetensors
 2. With accelerate's loader of sharded checkpoints (accelerate.utils.load_checkpoint_in_model,
    given the index file), into a torch.nn.Module whose parameters have the reference's names,
    dtypes and shapes (zeros before the load).
-Both must give exactly REFERENCE's names, dtypes, shapes and bytes. Prints one line per problem
+3. When COMPONENT is "model" (whose index is the "model.safetensors.index.json" Hugging Face
+   looks for): with transformers' load_sharded_checkpoint(module, CHECKPOINT), strict, into
+   another such module.
+All must give exactly REFERENCE's names, dtypes, shapes and bytes. Prints one line per problem
 and exits 1 if there is any; prints "ok: ..." and exits 0 otherwise; exits 2 when the packages
 cannot be imported.
 """
@@ -22,8 +25,10 @@ try:
     import torch
     from safetensors.torch import load_file
     from accelerate.utils import load_checkpoint_in_model
+    from transformers.trainer_utils import load_sharded_checkpoint
 except ImportError as e:
-    print("cannot import torch, safetensors and accelerate (run with the project venv's "
+    print("cannot import torch, safetensors, accelerate and transformers (run with the project "
+          "venv's "
           "python): %s" % e, file=sys.stderr)
     sys.exit(2)
 
@@ -91,13 +96,22 @@ def main():
     model = module_like(reference)
     load_checkpoint_in_model(model, index_path)
     compare("accelerate's load_checkpoint_in_model", model.state_dict(), reference, problems)
+    judges = "safetensors and accelerate"
+
+    if component == "model":
+        model = module_like(reference)
+        keys = load_sharded_checkpoint(model, checkpoint, strict=True)
+        if keys.missing_keys or keys.unexpected_keys:
+            problems.append("transformers: missing %s, unexpected %s" % (
+                keys.missing_keys, keys.unexpected_keys))
+        compare("transformers' load_sharded_checkpoint", model.state_dict(), reference, problems)
+        judges = "safetensors, accelerate and transformers"
 
     for p in problems:
         print(p)
     if problems:
         return 1
-    print("ok: %d tensors from %d shards, with safetensors and with accelerate" % (
-        len(merged), len(shards)))
+    print("ok: %d tensors from %d shards, with %s" % (len(merged), len(shards), judges))
     return 0
 
 
