@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -235,8 +236,9 @@ SweepStats sweep(const std::string& label, const Scenario& scenario, const Check
       FaultEnv env;
       env.set_real_syncs(false);
       if (drop) env.drop_nth_barrier(drop->op, drop->nth);
-      std::uint64_t seen = 0;
-      bool cut = false;
+      // Atomic: a sharded save calls the Env from several threads.
+      std::atomic<std::uint64_t> seen{0};
+      std::atomic<bool> cut{false};
       env.set_before_op([&](Op, const std::string&) {
         if (++seen >= k) {
           cut = true;
@@ -728,7 +730,8 @@ TEST(Retention, DiskFullAtEveryBudgetNeverCostsTheNewestCheckpoint) {
 }
 
 void killed_at_every_call() {
-  std::uint64_t kills = 0, during_deletion = 0, linked = 0;
+  std::uint64_t kills = 0, during_deletion = 0;
+  std::atomic<std::uint64_t> linked{0};  // the hook runs on the save's threads
   for (std::int64_t n : {1, 2, 3}) {
     for (std::int64_t base : {10, 100000}) {
       for (std::uint64_t k = 1;; ++k) {
@@ -739,8 +742,8 @@ void killed_at_every_call() {
         make_history(project, n, base);
         FaultEnv env;
         env.set_real_syncs(false);
-        std::uint64_t seen = 0;
-        bool killed = false, deleting = false;
+        std::atomic<std::uint64_t> seen{0};
+        std::atomic<bool> killed{false}, deleting{false};
         auto hook = [&](Op op, const std::string& path) {
           // Retention renames a committed checkpoint away before removing it.
           if (op == Op::Rename && parse_checkpoint_name(base_name(path))) deleting = true;
@@ -779,14 +782,14 @@ void killed_at_every_call() {
   }
   EXPECT_GT(during_deletion, 0u);
   if (sharded_mode) {
-    EXPECT_GT(linked, 0u);
+    EXPECT_GT(linked.load(), 0u);
   }
   std::printf(
       "kills: %llu (total_limit 1-3, checkpoint numbers crossing 9->10 and "
       "99999->100000), %llu of them while deleting old checkpoints, %llu shard links made; "
       "every restart resumed from the newest valid checkpoint\n",
       static_cast<unsigned long long>(kills), static_cast<unsigned long long>(during_deletion),
-      static_cast<unsigned long long>(linked));
+      static_cast<unsigned long long>(linked.load()));
 }
 
 TEST(Retention, KilledAtEveryCallOfASaveAndItsDeletionsKeepsTheNewest) { killed_at_every_call(); }
