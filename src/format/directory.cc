@@ -536,9 +536,13 @@ void save_directory(const std::string& path, const std::vector<Component>& compo
                           file_path, checkpoint));
 }
 
-// Checks a file a save hook wrote against the manifest; throws what is wrong with it.
-static void check_extra_file(Env& env, const std::string& checkpoint, const ManifestExtraFile& f) {
-  std::string file_path = join_path(checkpoint, f.name);
+// Checks a file that the manifest covers with one checksum of the whole file (a save hook's
+// file, a shard index) against its size and XXH3; throws what is wrong with it. With `bytes`,
+// also returns its contents (the small index files are parsed after the check).
+static void check_whole_file(Env& env, const std::string& checkpoint, const std::string& name,
+                             std::uint64_t expected_size, std::uint64_t expected_sum,
+                             std::string* bytes = nullptr) {
+  std::string file_path = join_path(checkpoint, name);
   FileInfo info = env.stat(file_path);
   if (info.is_symlink) refuse_link(file_path, checkpoint);
   if (!info.exists) {
@@ -547,13 +551,33 @@ static void check_extra_file(Env& env, const std::string& checkpoint, const Mani
   }
   std::unique_ptr<File> file = env.open(file_path, OpenMode::Read);
   std::uint64_t size = file->size();
-  std::uint64_t sum = whole_file_checksum(*file, size);
-  if (size != f.size || sum != f.checksum) {
+  std::uint64_t sum = 0;
+  if (bytes != nullptr && size == expected_size) {
+    bytes->assign(size, '\0');
+    file->read_exact(bytes->data(), size, 0);
+    sum = xxh3(bytes->data(), size);
+  } else {
+    sum = whole_file_checksum(*file, size);
+  }
+  if (size != expected_size || sum != expected_sum) {
     throw Error(ErrorCode::Corruption,
                 fmt::format("{} fails its checksum ({} bytes, XXH3 {}; the manifest says {} "
                             "bytes, {}): it was changed after the checkpoint was saved",
-                            file_path, size, checksum_hex(sum), f.size, checksum_hex(f.checksum)));
+                            file_path, size, checksum_hex(sum), expected_size,
+                            checksum_hex(expected_sum)));
   }
+}
+
+static void check_extra_file(Env& env, const std::string& checkpoint, const ManifestExtraFile& f) {
+  check_whole_file(env, checkpoint, f.name, f.size, f.checksum);
+}
+
+// The weight map of `index` in the checkpoint `checkpoint`, checked against the manifest.
+static WeightMap read_shard_index(Env& env, const std::string& checkpoint,
+                                  const ManifestShardIndex& index) {
+  std::string text;
+  check_whole_file(env, checkpoint, index.name, index.size, index.checksum, &text);
+  return parse_shard_index(text, join_path(checkpoint, index.name));
 }
 
 static Manifest load_manifest(Env& env, const std::string& path, Problems& problems) {

@@ -279,8 +279,8 @@ Manifest parse_manifest(std::string_view bytes, const std::string& path, Problem
         file.checksum = *sum;
         if (name.empty() || name.find('/') != std::string::npos || name == "." || name == ".." ||
             name == kManifestFileName || files.contains(name) ||
-            (root.contains("shard_indexes") && root["shard_indexes"].is_object() &&
-             root["shard_indexes"].contains(name))) {
+            std::any_of(m.shard_indexes.begin(), m.shard_indexes.end(),
+                        [&](const ManifestShardIndex& i) { return i.name == name; })) {
           throw std::runtime_error(fmt::format("extra file name '{}' is not usable", name));
         }
         m.extra_files.push_back(std::move(file));

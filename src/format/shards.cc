@@ -138,33 +138,9 @@ std::string shard_index_text(const WeightMap& weight_map, std::uint64_t total_si
   return root.dump(2) + "\n";
 }
 
-WeightMap read_shard_index(Env& env, const std::string& checkpoint,
-                           const ManifestShardIndex& index) {
-  std::string index_path = join_path(checkpoint, index.name);
-  FileInfo info = env.stat(index_path);
-  if (info.is_symlink) {
-    throw Error(ErrorCode::InvalidArgument,
-                fmt::format("{} is a symbolic link; the files of checkpoint {} are never links, "
-                            "so it is not followed: replace it with the file itself",
-                            index_path, checkpoint));
-  }
-  if (!info.exists) corrupt(fmt::format("{}: listed in the manifest but missing", index_path));
-  if (!info.is_regular || info.size != index.size) {
-    corrupt(fmt::format("{} is {} bytes but the manifest says {}: the shard index was "
-                        "truncated or replaced",
-                        index_path, info.size, index.size));
-  }
-  std::unique_ptr<File> file = env.open(index_path, OpenMode::Read);
-  std::string text(index.size, '\0');
-  file->read_exact(text.data(), text.size(), 0);
-  std::uint64_t sum = xxh3(text.data(), text.size());
-  if (sum != index.checksum) {
-    corrupt(fmt::format("{} fails its checksum (XXH3 {}; the manifest says {}): it was changed "
-                        "after the checkpoint was saved",
-                        index_path, checksum_hex(sum), checksum_hex(index.checksum)));
-  }
-  // The checksum matched, so these bytes are the ones torchpoint wrote; the checks below guard
-  // against a manifest and index forged together.
+WeightMap parse_shard_index(const std::string& text, const std::string& index_path) {
+  // The caller checked these bytes against the manifest, so they are the ones torchpoint
+  // wrote; the checks below guard against a manifest and index forged together.
   Json root;
   try {
     if (!json_depth_within(text)) throw std::runtime_error("nested too deep");

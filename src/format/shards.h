@@ -62,10 +62,9 @@ using WeightMap = std::vector<std::pair<std::string, std::string>>;
 // Builds the index file's text: {"metadata": {"total_size": bytes}, "weight_map": {...}}.
 std::string shard_index_text(const WeightMap& weight_map, std::uint64_t total_size);
 
-// Reads `index` of the checkpoint directory `checkpoint`, checks it against the manifest's size
-// and XXH3 and parses its weight map. Throws Corruption naming the file and what is wrong.
-WeightMap read_shard_index(Env& env, const std::string& checkpoint,
-                           const ManifestShardIndex& index);
+// Parses the weight map of an index file's `text` (already checked against the manifest's size
+// and XXH3). Throws Corruption naming `index_path` and what is wrong.
+WeightMap parse_shard_index(const std::string& text, const std::string& index_path);
 
 // Checks that `weight_map` names every tensor of every shard (`shard_tensors`: shard file ->
 // tensor names) exactly once, with the shard that holds it, and nothing else. Reports through

@@ -490,6 +490,7 @@ std::string Accelerator::save_state_distributed(const std::string& output_dir, b
   const std::string path = begin_save(output_dir);
   const int rank = group_->rank(), world = group_->size();
   const std::vector<std::string> names = component_names();
+  const SaveDirectoryOptions options = directory_options(overwrite);
 
   // 1. The main process opens the checkpoint: the lock, a temporary directory, the save hooks.
   std::unique_ptr<DirectorySave> save;
@@ -497,7 +498,7 @@ std::string Accelerator::save_state_distributed(const std::string& output_dir, b
       [&] {
         std::vector<std::string> all = names;
         for (int r = 0; r < world; ++r) all.push_back(random_states_name(r));
-        save = std::make_unique<DirectorySave>(env_, path, all, directory_options(overwrite));
+        save = std::make_unique<DirectorySave>(env_, path, all, options);
         return Json{{"dir", save->temp_path()}, {"path", path}}.dump();
       },
       "save_state(): opening the checkpoint directory"));
@@ -518,11 +519,9 @@ std::string Accelerator::save_state_distributed(const std::string& output_dir, b
       }
     }
     mine.push_back({random_states_name(rank), rng_.state_dict().to_container()});
-    SaveDirectoryOptions options = directory_options(overwrite);
-    std::optional<LinkSource> link_source;
-    if (rank == 0) link_source.emplace(env_, options.link_from);
-    for (const WrittenComponent& f :
-         write_components(env_, dir, mine, options, link_source ? &*link_source : nullptr)) {
+    // Only the main process writes the shardable components.
+    LinkSource link_source(env_, rank == 0 ? options.link_from : std::string());
+    for (const WrittenComponent& f : write_components(env_, dir, mine, options, &link_source)) {
       files.push_back(f.to_json());
     }
   } catch (const std::exception&) {
