@@ -280,7 +280,7 @@ Manifest parse_manifest(std::string_view bytes, const std::string& path, Problem
         if (name.empty() || name.find('/') != std::string::npos || name == "." || name == ".." ||
             name == kManifestFileName || files.contains(name) ||
             std::any_of(m.shard_indexes.begin(), m.shard_indexes.end(),
-                        [&](const ManifestShardIndex& i) { return i.name == name; })) {
+                        [&file](const ManifestShardIndex& i) { return i.name == file.name; })) {
           throw std::runtime_error(fmt::format("extra file name '{}' is not usable", name));
         }
         m.extra_files.push_back(std::move(file));
