@@ -92,8 +92,12 @@ struct LoadStateReport {
   // was written by another LibTorch version (every tensor is restored bit for bit, but that
   // version's kernels may compute the next steps differently).
   std::vector<std::string> notes;
-  // The number of processes that wrote the checkpoint (1 for one written by one process).
+  // The number of processes that wrote the checkpoint (1 for one written by one process; 0
+  // for one written by Python Accelerate, which does not record it).
   int saved_world_size = 1;
+  // Python-side state of a checkpoint written by Python Accelerate that has no C++ counterpart
+  // and was not restored (Python's random module, NumPy's generator), one sentence each.
+  std::vector<std::string> not_applicable;
 };
 
 // Several processes (torchrun): the same program runs as every process, each with its own
@@ -316,6 +320,21 @@ class Accelerator {
   // processes) continues the epoch with no sample repeated or skipped, and a note says so; the
   // RNG files of ranks that no longer exist are named in the notes; a rank with no RNG file
   // restores rank 0's and then seeds its CPU generator with (rank 0's seed + its rank).
+  //
+  // A directory written by Python Accelerate's save_state() (see accelerate_interop.h) is read
+  // too, when named as `input_dir`: model.safetensors (or pytorch_model.bin), optimizer.bin,
+  // scheduler.bin, custom_checkpoint_<i>.pkl and random_states_<rank>.pkl of the prepared and
+  // registered objects, in Accelerate's order. The Python optimizer must be of the prepared
+  // optimizer's type (Adam, AdamW, SGD, RMSprop, Adagrad; recognised from its options) with as
+  // many parameters per group, and the scheduler of the same class (torchpoint's, which mirror
+  // PyTorch's, or torch::optim::StepLR); torch's CPU generator and the step are restored
+  // exactly; Python's random and NumPy states are listed in `not_applicable`; data loaders keep
+  // their position (Accelerate has none for them: skip_first_batches as Accelerate users do).
+  // Everything is read and translated before anything changes. Errors: NotFound naming a
+  // missing file, Incompatible naming what differs (or a file no object takes, or an
+  // accelerator's RNG state), Unsupported naming a Python type or global torchpoint does not
+  // read (it never runs Python code: only tensors, numbers, strings, lists, tuples, dicts and
+  // NumPy arrays are read).
   LoadStateReport load_state(const std::string& input_dir = "");
   // The one call a resumable program makes at its start: load_state() of the newest valid
   // checkpoint when the project has a committed one, and nothing (nullopt, no change) on a
@@ -486,6 +505,12 @@ class Accelerator {
   // The sampler of a prepared loader: sharded over the processes.
   void add_sampler(AnyStateful sampler, ResumableSampler& shardable);
   std::string save_state_distributed(const std::string& output_dir, bool overwrite);
+  // load_state() of a directory written by Python Accelerate's save_state.
+  LoadStateReport load_accelerate_state(const std::string& path, LoadStateReport report);
+  // What every load resets: no scaled gradient pending, the accumulation count restarted.
+  void reset_after_load();
+  // With automatic naming, the next save goes after `path` and after every existing one.
+  void continue_numbering_after(const std::string& path);
   // What every save checks first (a directory or automatic naming; no unconsumed scaled
   // gradients), then the path it writes: output_dir, or the next automatically named one.
   std::string begin_save(const std::string& output_dir);

@@ -10,6 +10,7 @@
 
 #include "format/container.h"
 #include "state/torch_pickle.h"
+#include "state/torch_value.h"
 #include "state/torch_zip.h"
 #include "torchpoint/error.h"
 
@@ -56,8 +57,9 @@ at::Tensor load_storage(const detail::TorchZip& zip, const std::string& path,
   return out;
 }
 
-// The body of load_torch_state_dict, which turns allocation failures into Errors.
-StateDict load_torch_state_dict_impl(const std::string& path, Env& env) {
+// Opens a torch.save file and checks what comes before its pickle; `read` gets the zip.
+template <typename Read>
+auto with_torch_zip(const std::string& path, Env& env, Read read) {
   std::unique_ptr<File> file = env.open(path, OpenMode::Read);
   std::string magic(std::min<std::uint64_t>(file->size(), kLegacyMagic.size()), '\0');
   file->read_exact(magic.data(), magic.size(), 0);
@@ -80,23 +82,18 @@ StateDict load_torch_state_dict_impl(const std::string& path, Env& env) {
         ErrorCode::Unsupported,
         "load_torch_state_dict reads little-endian storages on little-endian machines only");
   }
-  auto entries = detail::unpickle_state_dict(
-      zip.read(zip.prefix() + "/data.pkl"),
-      [&](const std::string& key, c10::ScalarType dtype, std::int64_t numel) {
-        return load_storage(zip, path, key, dtype, numel);
-      },
-      path);
-  StateDict out;
-  out.set_description(path);
-  for (auto& [key, tensor] : entries) out.set(key, std::move(tensor));
-  return out;
+  detail::StorageLoader load = [&](const std::string& key, c10::ScalarType dtype,
+                                   std::int64_t numel) {
+    return load_storage(zip, path, key, dtype, numel);
+  };
+  return read(zip.read(zip.prefix() + "/data.pkl"), load);
 }
 
-}  // namespace
-
-StateDict load_torch_state_dict(const std::string& path, Env& env) {
+// Runs `body`, turning allocation failures and LibTorch's errors into Errors.
+template <typename Body>
+auto guarded(const std::string& path, Body body) {
   try {
-    return load_torch_state_dict_impl(path, env);
+    return body();
   } catch (const std::bad_alloc&) {
     // A storage too large for this machine's memory (or a hostile size that passed every
     // check because the file really is that large, sparse).
@@ -106,6 +103,31 @@ StateDict load_torch_state_dict(const std::string& path, Env& env) {
     throw Error(ErrorCode::Unsupported, fmt::format("{}: LibTorch could not build its tensors: {}",
                                                     path, e.what_without_backtrace()));
   }
+}
+
+StateDict load_torch_state_dict_impl(const std::string& path, Env& env) {
+  auto entries = with_torch_zip(path, env, [&](const std::string& pickle,
+                                               const detail::StorageLoader& load) {
+    return detail::unpickle_state_dict(pickle, load, path);
+  });
+  StateDict out;
+  out.set_description(path);
+  for (auto& [key, tensor] : entries) out.set(key, std::move(tensor));
+  return out;
+}
+
+}  // namespace
+
+StateDict load_torch_state_dict(const std::string& path, Env& env) {
+  return guarded(path, [&] { return load_torch_state_dict_impl(path, env); });
+}
+
+detail::PyValue detail::load_torch_value(const std::string& path, Env& env) {
+  return guarded(path, [&] {
+    return with_torch_zip(path, env, [&](const std::string& pickle, const StorageLoader& load) {
+      return unpickle_value(pickle, load, path);
+    });
+  });
 }
 
 ForeignContainer load_safetensors(const std::string& path, Env& env) {

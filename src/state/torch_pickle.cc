@@ -41,10 +41,17 @@ enum class Callable {
   kRebuildParameter,
   kStorageType,
   kDtype,  // torch.uint16, ...: the last argument of _rebuild_tensor_v3
+  // Read only by unpickle_value, as data: nothing is ever called.
+  kCounter,        // collections.Counter
+  kNdReconstruct,  // numpy._core.multiarray._reconstruct: an empty ndarray, filled by BUILD
+  kNdArrayType,    // numpy.ndarray, its first argument
+  kNdDtype,        // numpy.dtype("u4", False, True), its byte order set by BUILD
+  kCodecsEncode,   // _codecs.encode(text, "latin1"): bytes, as protocol 2 writes them
 };
 
 struct Str {
   std::string text;
+  bool bytes = false;  // a Python bytes, not a str
 };
 struct Tuple {
   std::vector<Value> items;
@@ -55,6 +62,7 @@ struct List {
 struct Dict {
   std::vector<std::pair<Value, Value>> entries;
   bool ordered = false;
+  bool counter = false;
 };
 struct Global {
   Callable what;
@@ -67,12 +75,60 @@ struct Storage {
 struct Tensor {
   at::Tensor tensor;
 };
-using Object = std::variant<Str, Tuple, List, Dict, Global, Storage, Tensor>;
+struct NdDtype {
+  std::string code;         // "u4", "f8", "b1", ...
+  std::string order = "|";  // '<', '>', '|' (no order: one byte), '=' (native)
+};
+struct NdArray {
+  bool built = false;
+  std::vector<std::int64_t> shape;
+  std::string descr;  // "<u4"
+  std::string data;
+};
+using Object = std::variant<Str, Tuple, List, Dict, Global, Storage, Tensor, NdDtype, NdArray>;
+
+// The bytes of one element of NumPy dtype `code`, or 0 when it is not a plain number type.
+std::size_t numpy_item_size(std::string_view code) {
+  static constexpr std::pair<std::string_view, std::size_t> kCodes[] = {
+      {"b1", 1}, {"i1", 1}, {"u1", 1}, {"i2", 2}, {"u2", 2}, {"f2", 2},
+      {"i4", 4}, {"u4", 4}, {"f4", 4}, {"i8", 8}, {"u8", 8}, {"f8", 8}};
+  for (const auto& [name, size] : kCodes) {
+    if (name == code) return size;
+  }
+  return 0;
+}
+
+// The Latin-1 bytes of UTF-8 `text` whose code points are all below 256, as Python's
+// str.encode("latin1"); false for other text.
+bool latin1_bytes(std::string_view text, std::string& out) {
+  out.clear();
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    auto c = static_cast<unsigned char>(text[i]);
+    if (c < 0x80) {
+      out += static_cast<char>(c);
+    } else if ((c == 0xc2 || c == 0xc3) && i + 1 < text.size() &&
+               (static_cast<unsigned char>(text[i + 1]) & 0xc0) == 0x80) {
+      out += static_cast<char>(((c & 0x1f) << 6) | (static_cast<unsigned char>(text[++i]) & 0x3f));
+    } else {
+      return false;
+    }
+  }
+  return true;
+}
+
+constexpr int kMaxDepth = 100;
 
 class Unpickler {
  public:
-  Unpickler(std::string_view data, const StorageLoader& load, const std::string& where)
-      : data_(data), load_(load), where_(where) {}
+  Unpickler(std::string_view data, const StorageLoader& load, const std::string& where,
+            bool objects = false)
+      : data_(data), load_(load), where_(where), objects_mode_(objects) {}
+
+  PyValue run_value() {
+    Value top = interpret();
+    std::vector<bool> open(objects_.size(), false);
+    return tree(top, 0, open);
+  }
 
   std::vector<std::pair<std::string, at::Tensor>> run() {
     Value top = interpret();
@@ -184,7 +240,7 @@ class Unpickler {
             [](const auto& o) -> std::string {
               using T = std::decay_t<decltype(o)>;
               if constexpr (std::is_same_v<T, Str>) {
-                return "str";
+                return o.bytes ? "bytes" : "str";
               } else if constexpr (std::is_same_v<T, Tuple>) {
                 return "tuple";
               } else if constexpr (std::is_same_v<T, List>) {
@@ -195,6 +251,10 @@ class Unpickler {
                 return o.name;
               } else if constexpr (std::is_same_v<T, Storage>) {
                 return "storage";
+              } else if constexpr (std::is_same_v<T, NdDtype>) {
+                return "numpy.dtype";
+              } else if constexpr (std::is_same_v<T, NdArray>) {
+                return "numpy.ndarray";
               } else {
                 return "tensor";
               }
@@ -251,6 +311,18 @@ class Unpickler {
         case 0x8c:  // SHORT_BINUNICODE
           push(make(Str{std::string(take(le(1)))}));
           break;
+        case 0x8d:  // BINUNICODE8
+          push(make(Str{std::string(take(le(8)))}));
+          break;
+        case 'C':  // SHORT_BINBYTES
+          push(make(Str{std::string(take(le(1))), true}));
+          break;
+        case 'B':  // BINBYTES
+          push(make(Str{std::string(take(le(4))), true}));
+          break;
+        case 0x8e:  // BINBYTES8
+          push(make(Str{std::string(take(le(8))), true}));
+          break;
         case 'J':  // BININT
           push(static_cast<std::int64_t>(static_cast<std::int32_t>(le(4))));
           break;
@@ -297,7 +369,7 @@ class Unpickler {
         }
         case 'b': {  // BUILD
           Value state = pop();
-          (void)state;
+          if (objects_mode_ && build_numpy(top(), state)) break;
           // model.state_dict() sets `_metadata` (per-module versions) on its OrderedDict this
           // way; it is not needed to load the tensors, so it is dropped.
           Dict* dict = as<Dict>(top());
@@ -419,6 +491,22 @@ class Unpickler {
         if (type.name == name) return {Callable::kStorageType, full, type.dtype};
       }
     }
+    if (objects_mode_) {
+      if (full == "collections.Counter") return {Callable::kCounter, full};
+      if (full == "numpy._core.multiarray._reconstruct" ||
+          full == "numpy.core.multiarray._reconstruct") {
+        return {Callable::kNdReconstruct, full};
+      }
+      if (full == "numpy.ndarray") return {Callable::kNdArrayType, full};
+      if (full == "numpy.dtype") return {Callable::kNdDtype, full};
+      if (full == "_codecs.encode") return {Callable::kCodecsEncode, full};
+      throw Error(ErrorCode::Unsupported,
+                  fmt::format("{}: the pickle refers to the Python global {}, which torchpoint "
+                              "does not read: it reads only tensors, numbers, strings, bytes, "
+                              "None, tuples, lists, dicts (OrderedDict, Counter) and NumPy "
+                              "arrays of numbers, and never calls a Python function",
+                              where_, full));
+    }
     throw Error(ErrorCode::Unsupported,
                 fmt::format("{}: data.pkl refers to the Python global {}, which is not part of a "
                             "state dict of tensors that torchpoint can read (tensors of dtype "
@@ -451,13 +539,153 @@ class Unpickler {
           corrupt("_rebuild_parameter takes (tensor, requires_grad, hooks)");
         }
         return args[0];
+      case Callable::kCounter: {
+        Dict counter{{}, false, true};
+        if (args.size() == 1) {
+          const Dict* from = as<Dict>(args[0]);
+          if (from == nullptr) corrupt(fmt::format("Counter of a {}", kind(args[0])));
+          counter.entries = from->entries;
+        } else if (!args.empty()) {
+          corrupt("Counter takes at most one argument");
+        }
+        return make(std::move(counter));
+      }
+      case Callable::kNdReconstruct: {
+        const Global* type = args.empty() ? nullptr : as<Global>(args[0]);
+        if (args.size() != 3 || type == nullptr || type->what != Callable::kNdArrayType) {
+          throw Error(ErrorCode::Unsupported,
+                      fmt::format("{}: the pickle reconstructs a NumPy object other than a "
+                                  "numpy.ndarray",
+                                  where_));
+        }
+        return make(NdArray{});
+      }
+      case Callable::kNdDtype: {
+        const Str* code = args.empty() ? nullptr : as<Str>(args[0]);
+        if (code == nullptr) corrupt("numpy.dtype() without a type code");
+        if (numpy_item_size(code->text) == 0) {
+          throw Error(ErrorCode::Unsupported,
+                      fmt::format("{}: the pickle holds a NumPy array of dtype '{}'; only "
+                                  "arrays of booleans, integers and floats are read",
+                                  where_, code->text));
+        }
+        return make(NdDtype{code->text});
+      }
+      case Callable::kCodecsEncode: {
+        const Str* text = args.size() == 2 ? as<Str>(args[0]) : nullptr;
+        const Str* codec = args.size() == 2 ? as<Str>(args[1]) : nullptr;
+        std::string bytes;
+        if (text == nullptr || codec == nullptr || codec->text != "latin1" ||
+            !latin1_bytes(text->text, bytes)) {
+          corrupt("_codecs.encode is given something other than Latin-1 text and \"latin1\"");
+        }
+        return make(Str{std::move(bytes), true});
+      }
       case Callable::kStorageType:
       case Callable::kDtype:
+      case Callable::kNdArrayType:
         break;
     }
     throw Error(
         ErrorCode::Unsupported,
         fmt::format("{}: data.pkl calls {}, which torch.save never does", where_, fn->name));
+  }
+
+  // BUILD of a NumPy dtype (its byte order) or ndarray (shape, dtype, order and bytes); false
+  // when `target` is neither.
+  bool build_numpy(const Value& target, const Value& state_value) {
+    const Tuple* state = as<Tuple>(state_value);
+    if (NdDtype* dtype = as<NdDtype>(target)) {
+      const Str* order = state != nullptr && state->items.size() >= 2 ? as<Str>(state->items[1])
+                                                                      : nullptr;
+      if (order == nullptr || order->text.size() != 1 ||
+          std::string_view("<>|=").find(order->text) == std::string_view::npos) {
+        corrupt("a numpy.dtype's state has no byte order");
+      }
+      dtype->order = order->text;
+      return true;
+    }
+    NdArray* array = as<NdArray>(target);
+    if (array == nullptr) return false;
+    if (state == nullptr || state->items.size() != 5) {
+      corrupt("a numpy.ndarray's state is not (version, shape, dtype, fortran, data)");
+    }
+    const NdDtype* dtype = as<NdDtype>(state->items[2]);
+    const Str* data = as<Str>(state->items[4]);
+    if (dtype == nullptr) corrupt(fmt::format("a numpy.ndarray's dtype is a {}", kind(state->items[2])));
+    if (data == nullptr) {
+      throw Error(ErrorCode::Unsupported,
+                  fmt::format("{}: the pickle holds a NumPy array of Python objects", where_));
+    }
+    std::vector<std::int64_t> shape = integers(state->items[1], "a numpy.ndarray's shape");
+    std::uint64_t count = 1;
+    for (std::int64_t d : shape) {
+      if (d < 0 || __builtin_mul_overflow(count, static_cast<std::uint64_t>(d), &count)) {
+        corrupt("a numpy.ndarray's shape is negative or overflows");
+      }
+    }
+    std::uint64_t bytes = 0;
+    if (__builtin_mul_overflow(count, numpy_item_size(dtype->code), &bytes) ||
+        bytes != data->text.size()) {
+      corrupt(fmt::format("a numpy.ndarray of shape [{}] and dtype {} holds {} bytes",
+                          fmt::join(shape, ", "), dtype->code, data->text.size()));
+    }
+    if (dtype->order == ">") {
+      throw Error(ErrorCode::Unsupported,
+                  fmt::format("{}: the pickle holds a big-endian NumPy array", where_));
+    }
+    array->built = true;
+    array->shape = std::move(shape);
+    array->descr = (numpy_item_size(dtype->code) == 1 ? "|" : "<") + dtype->code;
+    array->data = data->text;
+    return true;
+  }
+
+  // The plain tree of `v`. `open` marks the objects on the path from the root, so a structure
+  // that contains itself is refused instead of unrolled forever; `nodes_` bounds what shared
+  // references could multiply.
+  PyValue tree(const Value& v, int depth, std::vector<bool>& open) {
+    if (++nodes_ > kMaxObjects) corrupt("the pickle expands to too many values");
+    if (std::holds_alternative<None>(v)) return PyValue::none();
+    if (const bool* b = std::get_if<bool>(&v)) return PyValue::of(*b);
+    if (const std::int64_t* i = std::get_if<std::int64_t>(&v)) return PyValue::of(*i);
+    if (const double* d = std::get_if<double>(&v)) return PyValue::of(*d);
+    const std::uint32_t index = std::get<Ref>(v).index;
+    if (depth > kMaxDepth) corrupt(fmt::format("values nest more than {} levels deep", kMaxDepth));
+    if (open[index]) corrupt("a value contains itself");
+    open[index] = true;
+    PyValue out;
+    const Object& object = objects_[index];
+    if (const Str* str = std::get_if<Str>(&object)) {
+      out = PyValue::of(str->text);
+      if (str->bytes) out.kind = PyValue::Kind::kBytes;
+    } else if (const Tuple* tuple = std::get_if<Tuple>(&object)) {
+      out = PyValue::tuple({});
+      for (const Value& item : tuple->items) out.items.push_back(tree(item, depth + 1, open));
+    } else if (const List* list = std::get_if<List>(&object)) {
+      out = PyValue::list({});
+      for (const Value& item : list->items) out.items.push_back(tree(item, depth + 1, open));
+    } else if (const Dict* dict = std::get_if<Dict>(&object)) {
+      out = PyValue::dict();
+      out.type = dict->counter ? "Counter" : dict->ordered ? "OrderedDict" : "dict";
+      for (const auto& [key, value] : dict->entries) {
+        out.entries.emplace_back(tree(key, depth + 1, open), tree(value, depth + 1, open));
+      }
+    } else if (const Tensor* tensor = std::get_if<Tensor>(&object)) {
+      out = PyValue::of(tensor->tensor);
+    } else if (const NdArray* array = std::get_if<NdArray>(&object)) {
+      if (!array->built) corrupt("a numpy.ndarray is never given its data");
+      out.kind = PyValue::Kind::kArray;
+      out.type = array->descr;
+      out.shape = array->shape;
+      out.text = array->data;
+    } else {
+      throw Error(ErrorCode::Unsupported,
+                  fmt::format("{}: the pickle holds a bare {}, which is not data", where_,
+                              kind(v)));
+    }
+    open[index] = false;
+    return out;
   }
 
   std::int64_t integer(const Value& v, const char* what) {
@@ -582,9 +810,110 @@ class Unpickler {
   std::vector<std::size_t> marks_;
   std::unordered_map<std::uint64_t, Value> memo_;
   std::unordered_map<std::string, Ref> storages_;
+  bool objects_mode_ = false;
+  std::size_t nodes_ = 0;
 };
 
 }  // namespace
+
+PyValue PyValue::of(bool b) {
+  PyValue v;
+  v.kind = Kind::kBool;
+  v.boolean = b;
+  return v;
+}
+PyValue PyValue::of(std::int64_t i) {
+  PyValue v;
+  v.kind = Kind::kInt;
+  v.integer = i;
+  return v;
+}
+PyValue PyValue::of(double d) {
+  PyValue v;
+  v.kind = Kind::kFloat;
+  v.number = d;
+  return v;
+}
+PyValue PyValue::of(std::string s) {
+  PyValue v;
+  v.kind = Kind::kStr;
+  v.text = std::move(s);
+  return v;
+}
+PyValue PyValue::of(at::Tensor t) {
+  PyValue v;
+  v.kind = Kind::kTensor;
+  v.tensor = std::move(t);
+  return v;
+}
+PyValue PyValue::tuple(std::vector<PyValue> items) {
+  PyValue v;
+  v.kind = Kind::kTuple;
+  v.items = std::move(items);
+  return v;
+}
+PyValue PyValue::list(std::vector<PyValue> items) {
+  PyValue v = tuple(std::move(items));
+  v.kind = Kind::kList;
+  return v;
+}
+PyValue PyValue::dict() {
+  PyValue v;
+  v.kind = Kind::kDict;
+  v.type = "dict";
+  return v;
+}
+
+PyValue& PyValue::set(const std::string& key, PyValue value) {
+  for (auto& [k, existing] : entries) {
+    if (k.kind == Kind::kStr && k.text == key) {
+      existing = std::move(value);
+      return existing;
+    }
+  }
+  entries.emplace_back(of(key), std::move(value));
+  return entries.back().second;
+}
+
+const PyValue* PyValue::find(std::string_view key) const {
+  if (kind != Kind::kDict) return nullptr;
+  for (const auto& [k, value] : entries) {
+    if (k.kind == Kind::kStr && k.text == key) return &value;
+  }
+  return nullptr;
+}
+
+std::string PyValue::type_name() const {
+  switch (kind) {
+    case Kind::kNone:
+      return "None";
+    case Kind::kBool:
+      return "bool";
+    case Kind::kInt:
+      return "int";
+    case Kind::kFloat:
+      return "float";
+    case Kind::kStr:
+      return "str";
+    case Kind::kBytes:
+      return "bytes";
+    case Kind::kTuple:
+      return "tuple";
+    case Kind::kList:
+      return "list";
+    case Kind::kDict:
+      return type == "dict" ? "dict" : "collections." + type;
+    case Kind::kTensor:
+      return "torch.Tensor";
+    case Kind::kArray:
+      return "numpy.ndarray";
+  }
+  return "?";
+}
+
+PyValue unpickle_value(std::string_view pickle, const StorageLoader& load, const std::string& where) {
+  return Unpickler(pickle, load, where, /*objects=*/true).run_value();
+}
 
 std::vector<std::pair<std::string, at::Tensor>> unpickle_state_dict(std::string_view pickle,
                                                                     const StorageLoader& load,

@@ -35,6 +35,50 @@ inline constexpr StorageType kStorageTypes[] = {
 using StorageLoader =
     std::function<at::Tensor(const std::string& key, c10::ScalarType dtype, std::int64_t numel)>;
 
+// A Python value read from a pickle, as plain data: what the files of Python Accelerate's
+// save_state hold (optimizer and scheduler state dicts, RNG states, custom objects' state
+// dicts). Nothing in it is a Python object; an ndarray is its dtype, shape and raw bytes.
+struct PyValue {
+  enum class Kind { kNone, kBool, kInt, kFloat, kStr, kBytes, kTuple, kList, kDict, kTensor, kArray };
+  Kind kind = Kind::kNone;
+  bool boolean = false;
+  std::int64_t integer = 0;
+  double number = 0;
+  // The text of a str (UTF-8), the bytes of a bytes, the raw data of an ndarray.
+  std::string text;
+  std::vector<PyValue> items;                        // a tuple's or a list's
+  std::vector<std::pair<PyValue, PyValue>> entries;  // a dict's, in order
+  at::Tensor tensor;
+  // A dict's class ("dict", "OrderedDict", "Counter"); an ndarray's dtype ("<u4").
+  std::string type;
+  std::vector<std::int64_t> shape;  // an ndarray's
+
+  static PyValue none() { return {}; }
+  static PyValue of(bool b);
+  static PyValue of(std::int64_t i);
+  static PyValue of(double d);
+  static PyValue of(std::string s);
+  static PyValue of(at::Tensor t);
+  static PyValue tuple(std::vector<PyValue> items);
+  static PyValue list(std::vector<PyValue> items);
+  static PyValue dict();
+  // Adds (or replaces) the entry of str key `key` of a dict.
+  PyValue& set(const std::string& key, PyValue value);
+
+  bool is(Kind k) const { return kind == k; }
+  // The value of str key `key` of a dict, or null.
+  const PyValue* find(std::string_view key) const;
+  // Python's name of this value's type: "int", "dict", "torch.Tensor", "numpy.ndarray", ...
+  std::string type_name() const;
+};
+
+// The value `pickle` holds (a torch.save data.pkl, or a plain pickle when `load` is never
+// needed). Beyond the globals of a state dict, reads NumPy arrays and dtypes (as data: their
+// reconstruction functions are never called), bytes written as _codecs.encode(s, "latin1"),
+// and collections.Counter. Throws Corruption for a damaged pickle (or one nesting deeper than
+// 100 levels or referring to itself), Unsupported naming any other global.
+PyValue unpickle_value(std::string_view pickle, const StorageLoader& load, const std::string& where);
+
 // The entries of the dict that `pickle` holds, in the pickle's order. Tensors are views with
 // the file's sizes, strides and offsets into storages that `load` returned, so tensors that
 // shared a storage in Python share one here (as after torch.load). `where` names the file in

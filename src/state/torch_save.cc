@@ -20,6 +20,7 @@
 #include "compat/torch_compat.h"
 #include "io/atomic_commit.h"
 #include "state/torch_pickle.h"
+#include "state/torch_value.h"
 #include "state/torch_zip.h"
 #include "torchpoint/error.h"
 #include "torchpoint/interop.h"
@@ -30,7 +31,8 @@ namespace {
 // The pickle opcodes used (Python's pickletools names them).
 constexpr char kProto = '\x80', kEmptyDict = '}', kMark = '(', kBinUnicode = 'X', kGlobal = 'c',
                kTuple = 't', kEmptyTuple = ')', kBinPersId = 'Q', kBinInt = 'J', kLong1 = '\x8a',
-               kNewFalse = '\x89', kReduce = 'R', kSetItems = 'u', kStop = '.';
+               kNewFalse = '\x89', kReduce = 'R', kSetItems = 'u', kStop = '.', kNone = 'N',
+               kNewTrue = '\x88', kTuple3 = '\x87', kBinFloat = 'G', kEmptyList = ']', kAppends = 'e', kBuild = 'b';
 
 // The typed storage class of `type` ("FloatStorage"), or empty for the newer dtypes.
 std::string_view typed_storage(c10::ScalarType type) {
@@ -80,6 +82,31 @@ class Pickler {
     op(kMark);
     for (std::int64_t v : values) integer(v);
     op(kTuple);
+  }
+  void number(double v) {
+    out_ += kBinFloat;  // big-endian
+    const auto bits = std::bit_cast<std::uint64_t>(v);
+    for (int i = 7; i >= 0; --i) out_ += static_cast<char>((bits >> (8 * i)) & 0xff);
+  }
+  // A Python bytes, as protocol 2 writes it: _codecs.encode(<its Latin-1 text>, "latin1").
+  void bytes(std::string_view b) {
+    global("_codecs", "encode");
+    op(kMark);
+    std::string latin1;
+    latin1.reserve(b.size() * 2);
+    for (char c : b) {
+      auto u = static_cast<unsigned char>(c);
+      if (u < 0x80) {
+        latin1 += c;
+      } else {
+        latin1 += static_cast<char>(0xc0 | (u >> 6));
+        latin1 += static_cast<char>(0x80 | (u & 0x3f));
+      }
+    }
+    text(latin1);
+    text("latin1");
+    op(kTuple);
+    op(kReduce);
   }
   std::string finish() {
     out_ += kStop;
@@ -227,15 +254,70 @@ class ZipWriter {
   std::vector<Entry> entries_;
 };
 
-// Writes the file of `tensors` to `sink`; returns its size.
-std::uint64_t write_torch_state_dict(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                                     const Sink& sink) {
-  static_assert(std::endian::native == std::endian::little, "storages are written little-endian");
-  Pickler pickle;
-  pickle.op(kEmptyDict);
-  pickle.op(kMark);
-  std::vector<at::Tensor> storages;
-  for (const auto& [name, value] : tensors) {
+// Writes Python values with the globals torch.load(weights_only=True) accepts (and, for NumPy
+// arrays, those Accelerate adds to them); tensors' storages are collected for the zip.
+class ValueWriter {
+ public:
+  explicit ValueWriter(Pickler& pickle) : pickle_(pickle) {}
+
+  void write(const detail::PyValue& v, const std::string& name) {
+    using Kind = detail::PyValue::Kind;
+    switch (v.kind) {
+      case Kind::kNone:
+        return pickle_.op(kNone);
+      case Kind::kBool:
+        return pickle_.op(v.boolean ? kNewTrue : kNewFalse);
+      case Kind::kInt:
+        return pickle_.integer(v.integer);
+      case Kind::kFloat:
+        return pickle_.number(v.number);
+      case Kind::kStr:
+        return pickle_.text(v.text);
+      case Kind::kBytes:
+        return pickle_.bytes(v.text);
+      case Kind::kTuple:
+        if (v.items.empty()) return pickle_.op(kEmptyTuple);
+        pickle_.op(kMark);
+        for (std::size_t i = 0; i < v.items.size(); ++i) {
+          write(v.items[i], fmt::format("{}[{}]", name, i));
+        }
+        return pickle_.op(kTuple);
+      case Kind::kList:
+        pickle_.op(kEmptyList);
+        if (v.items.empty()) return;
+        pickle_.op(kMark);
+        for (std::size_t i = 0; i < v.items.size(); ++i) {
+          write(v.items[i], fmt::format("{}[{}]", name, i));
+        }
+        return pickle_.op(kAppends);
+      case Kind::kDict:
+        if (v.type == "OrderedDict" || v.type == "Counter") {
+          pickle_.global("collections", v.type);
+          pickle_.op(kEmptyTuple);
+          pickle_.op(kReduce);
+        } else {
+          pickle_.op(kEmptyDict);
+        }
+        if (v.entries.empty()) return;
+        pickle_.op(kMark);
+        for (const auto& [key, value] : v.entries) {
+          write(key, name);
+          write(value, key.kind != Kind::kStr ? name
+                       : name.empty()          ? key.text
+                                               : fmt::format("{}/{}", name, key.text));
+        }
+        return pickle_.op(kSetItems);
+      case Kind::kTensor:
+        return tensor(v.tensor, name);
+      case Kind::kArray:
+        return array(v, name);
+    }
+  }
+
+  std::vector<at::Tensor>& storages() { return storages_; }
+
+ private:
+  void tensor(const at::Tensor& value, const std::string& name) {
     if (!value.defined()) {
       throw Error(ErrorCode::InvalidArgument,
                   fmt::format("tensor '{}' is undefined: nothing to save", name));
@@ -251,8 +333,8 @@ std::uint64_t write_torch_state_dict(const std::vector<std::pair<std::string, at
                               "torch.load; convert it (e.g. .to(torch::kFloat))",
                               name, c10::toString(t.scalar_type())));
     }
-    const std::string key = std::to_string(storages.size());
-    pickle.text(name);
+    const std::string key = std::to_string(storages_.size());
+    Pickler& pickle = pickle_;
     pickle.global("torch._utils", v3.empty() ? "_rebuild_tensor_v2" : "_rebuild_tensor_v3");
     pickle.op(kMark);
     {  // persistent id: ('storage', storage class, key, location, size)
@@ -279,21 +361,90 @@ std::uint64_t write_torch_state_dict(const std::vector<std::pair<std::string, at
     if (!v3.empty()) pickle.global("torch", v3);
     pickle.op(kTuple);
     pickle.op(kReduce);
-    storages.push_back(std::move(t));
+    storages_.push_back(std::move(t));
   }
-  pickle.op(kSetItems);
 
+  // numpy._core.multiarray._reconstruct(numpy.ndarray, (0,), b"b"), then BUILD with
+  // (1, shape, dtype, False, bytes): what NumPy's own pickling writes.
+  void array(const detail::PyValue& v, const std::string& name) {
+    if (v.type.size() < 3) {
+      throw Error(ErrorCode::InvalidArgument,
+                  fmt::format("'{}': a NumPy array without a dtype", name));
+    }
+    pickle_.global("numpy._core.multiarray", "_reconstruct");
+    pickle_.global("numpy", "ndarray");
+    pickle_.op(kMark);
+    pickle_.integer(0);
+    pickle_.op(kTuple);
+    pickle_.bytes("b");
+    pickle_.op(kTuple3);
+    pickle_.op(kReduce);
+    pickle_.op(kMark);
+    pickle_.integer(1);
+    pickle_.ints(v.shape);
+    pickle_.global("numpy", "dtype");
+    pickle_.op(kMark);
+    pickle_.text(v.type.substr(1));
+    pickle_.op(kNewFalse);
+    pickle_.op(kNewTrue);
+    pickle_.op(kTuple);
+    pickle_.op(kReduce);
+    pickle_.op(kMark);
+    pickle_.integer(3);
+    pickle_.text(v.type.substr(0, 1));
+    pickle_.op(kNone);
+    pickle_.op(kNone);
+    pickle_.op(kNone);
+    pickle_.integer(-1);
+    pickle_.integer(-1);
+    pickle_.integer(0);
+    pickle_.op(kTuple);
+    pickle_.op(kBuild);
+    pickle_.op(kNewFalse);
+    pickle_.bytes(v.text);
+    pickle_.op(kTuple);
+    pickle_.op(kBuild);
+  }
+
+  Pickler& pickle_;
+  std::vector<at::Tensor> storages_;
+};
+
+// Writes a torch.save file of `value`, its records under `archive`/, to `sink`; returns its
+// size.
+std::uint64_t write_torch_value(const detail::PyValue& value, std::string_view archive,
+                                const Sink& sink) {
+  static_assert(std::endian::native == std::endian::little, "storages are written little-endian");
+  Pickler pickle;
+  ValueWriter writer(pickle);
+  writer.write(value, "");
   ZipWriter zip(sink);
-  zip.add("archive/data.pkl", pickle.finish());
-  zip.add("archive/byteorder", "little");
+  zip.add(fmt::format("{}/data.pkl", archive), pickle.finish());
+  zip.add(fmt::format("{}/byteorder", archive), "little");
+  const std::vector<at::Tensor>& storages = writer.storages();
   for (std::size_t i = 0; i < storages.size(); ++i) {
     const at::Tensor& t = storages[i];
-    zip.add(fmt::format("archive/data/{}", i),
+    zip.add(fmt::format("{}/data/{}", archive, i),
             std::string_view(static_cast<const char*>(t.data_ptr()),
                              static_cast<std::size_t>(t.numel() * t.element_size())));
   }
-  zip.add("archive/version", "3\n");
+  zip.add(fmt::format("{}/version", archive), "3\n");
   return zip.finish();
+}
+
+detail::PyValue tensors_value(const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+  detail::PyValue dict = detail::PyValue::dict();
+  dict.entries.reserve(tensors.size());
+  for (const auto& [name, t] : tensors) {
+    dict.entries.emplace_back(detail::PyValue::of(name), detail::PyValue::of(t));
+  }
+  return dict;
+}
+
+// Writes the file of `tensors` to `sink`; returns its size.
+std::uint64_t write_torch_state_dict(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                                     const Sink& sink) {
+  return write_torch_value(tensors_value(tensors), "archive", sink);
 }
 
 }  // namespace
@@ -307,6 +458,11 @@ std::string torch_state_dict_bytes(const std::vector<std::pair<std::string, at::
 std::uint64_t save_torch_state_dict(const std::string& path,
                                     const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                                     Env& env) {
+  return detail::save_torch_value(path, tensors_value(tensors), "archive", env);
+}
+
+std::uint64_t detail::save_torch_value(const std::string& path, const PyValue& value,
+                                       std::string_view archive, Env& env) {
   constexpr std::size_t kBufferSize = std::size_t{1} << 20;
   PendingFile pending(env, path);
   std::unique_ptr<File> file = env.open(pending.temp_path(), OpenMode::CreateExclusive);
@@ -318,7 +474,7 @@ std::uint64_t save_torch_state_dict(const std::string& path,
     offset += buffer.size();
     buffer.clear();
   };
-  std::uint64_t size = write_torch_state_dict(tensors, [&](std::string_view bytes) {
+  std::uint64_t size = write_torch_value(value, archive, [&](std::string_view bytes) {
     if (buffer.size() + bytes.size() <= kBufferSize) {
       buffer += bytes;
       return;

@@ -19,6 +19,8 @@
 #include "format/shards.h"
 #include "io/atomic_commit.h"
 #include "io/filename.h"
+#include "train/accelerate_files.h"
+#include "torchpoint/accelerate_interop.h"
 #include "torchpoint/checkpoint_dir.h"
 #include "torchpoint/checkpoint_manager.h"
 #include "torchpoint/error.h"
@@ -629,6 +631,7 @@ LoadStateReport Accelerator::load_state(const std::string& input_dir) {
   const std::string path =
       group_ ? group_->decided_by_main(choose, "load_state(): choosing the checkpoint") : choose();
   for (const auto& hook : load_hooks_) hook(path);
+  if (is_accelerate_checkpoint(path, env_)) return load_accelerate_state(path, std::move(report));
 
   DirectoryCheckpoint checkpoint;
   std::exception_ptr failure;
@@ -708,11 +711,7 @@ LoadStateReport Accelerator::load_state(const std::string& input_dir) {
     report.notes.push_back(std::move(note));
   }
   report.saved_world_size = saved_world;
-  scaled_pending_ = false;  // the parameters were just replaced; no gradient is pending
-  // Every save is at a step boundary, where the accumulation count starts again.
-  accumulation_count_ = 0;
-  sync_gradients_ = true;
-  unsynced_backward_ = false;
+  reset_after_load();
 
   // A data position at the end of an epoch whose loop had not ended: the next iteration of that
   // loader yields no batch. Right for a loop that keeps its epoch in the checkpoint; a loop that
@@ -738,15 +737,7 @@ LoadStateReport Accelerator::load_state(const std::string& input_dir) {
   }
 
   step_ = checkpoint.info.step;
-  if (config_.automatic_checkpoint_naming()) {
-    // The next save continues the numbering instead of starting again at checkpoint_0; after
-    // resuming from an older checkpoint, it goes after the newest one rather than collide.
-    std::int64_t next = config_.iteration();
-    if (auto n = parse_checkpoint_name(base_name(path))) next = static_cast<std::int64_t>(*n) + 1;
-    for (const auto& [number, p] : list_checkpoints()) next = std::max(next, number + 1);
-    config_.iteration(next);
-    first_own_number_ = next;
-  }
+  continue_numbering_after(path);
   resumed_from_ = path;
   report.path = path;
   last_checkpoint_ = path;
@@ -761,6 +752,78 @@ LoadStateReport Accelerator::load_state(const std::string& input_dir) {
         "differently",
         path, checkpoint.libtorch_version, compat::torch_version()));
   }
+  return report;
+}
+
+void Accelerator::reset_after_load() {
+  scaled_pending_ = false;  // the parameters were just replaced; no gradient is pending
+  // Every save is at a step boundary, where the accumulation count starts again.
+  accumulation_count_ = 0;
+  sync_gradients_ = true;
+  unsynced_backward_ = false;
+}
+
+void Accelerator::continue_numbering_after(const std::string& path) {
+  if (config_.automatic_checkpoint_naming()) {
+    // The next save continues the numbering instead of starting again at checkpoint_0; after
+    // resuming from an older checkpoint, it goes after the newest one rather than collide.
+    std::int64_t next = config_.iteration();
+    if (auto n = parse_checkpoint_name(base_name(path))) next = static_cast<std::int64_t>(*n) + 1;
+    for (const auto& [number, p] : list_checkpoints()) next = std::max(next, number + 1);
+    config_.iteration(next);
+    first_own_number_ = next;
+  }
+}
+
+LoadStateReport Accelerator::load_accelerate_state(const std::string& path,
+                                                   LoadStateReport report) {
+  const std::vector<std::string> names = component_names();
+  std::vector<detail::WantedComponent> wanted;
+  for (std::size_t i = 0; i < components_.size(); ++i) {
+    const Component& c = components_[i];
+    wanted.push_back(
+        {names[i], c.kind, c.kind == "sampler" ? StateDict() : c.object.state_dict()});
+  }
+  const std::string rng_name = random_states_name(process_index());
+  detail::AccelerateRead read;
+  std::exception_ptr failure;
+  try {
+    read = detail::read_accelerate_directory(path, wanted, rng_name, rng_.state_dict(),
+                                             process_index(), env_);
+  } catch (const std::exception&) {
+    if (!group_) throw;
+    failure = std::current_exception();
+  }
+  if (group_) group_->agree(failure, fmt::format("load_state(): reading {}", path));
+  StatefulSet set;
+  for (std::size_t i = 0; i < components_.size(); ++i) {
+    set.add(names[i], components_[i].object);
+    if (components_[i].kind == "sampler") set.allow_missing(names[i]);
+  }
+  // Everything else may draw random numbers while loading; the restored streams must not move.
+  set.add(rng_name, AnyStateful::ref(rng_), /*restore_last=*/true);
+  RestoreReport restored = set.restore(read.all);
+  reset_after_load();
+  step_ = read.step;
+  continue_numbering_after(path);
+  resumed_from_ = path;
+  // Not a torchpoint checkpoint: an incremental save has nothing to link from it.
+  last_checkpoint_.clear();
+  report.path = path;
+  report.components = read.files;
+  report.step = step_;
+  report.saved_world_size = 0;  // Accelerate does not record it
+  report.not_applicable = read.not_applicable;
+  for (const std::string& n : read.not_in_checkpoint) {
+    report.notes.push_back(fmt::format("not in {}, left as it was: {}", path, n));
+  }
+  for (std::string& n : read.notes) report.notes.push_back(std::move(n));
+  report.notes.push_back(fmt::format(
+      "{} was written by Python Accelerate: its values were restored bit for bit, but "
+      "PyTorch's Python optimizers and LibTorch's compute the following steps with other "
+      "kernels, which may differ in the last bits",
+      path));
+  (void)restored;
   return report;
 }
 

@@ -1,0 +1,52 @@
+// Checkpoints of Python's Hugging Face Accelerate: continue a Python run in C++, and back.
+//
+// Reading: Accelerator::load_state(dir) accepts a directory written by Python's
+// accelerator.save_state() (see there). Writing: export_accelerate_checkpoint() turns a
+// torchpoint checkpoint into a directory that Python's accelerator.load_state(dir) restores.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "torchpoint/env.h"
+#include "torchpoint/error.h"
+
+namespace torchpoint {
+
+// Whether `dir` holds a checkpoint written by Python Accelerate's save_state: it has no
+// torchpoint manifest, and has random_states_0.pkl or a model file (model.safetensors,
+// pytorch_model.bin) of Accelerate's names. Never throws for a missing directory (false).
+bool is_accelerate_checkpoint(const std::string& dir, Env& env = Env::posix());
+
+// What export_accelerate_checkpoint wrote.
+struct AccelerateExport {
+  std::vector<std::string> files;  // file names written, in order
+  // What Accelerate has no place for (a data loader position, a registered C++ random engine)
+  // or fills from elsewhere (Python's random and NumPy states), one sentence each.
+  std::vector<std::string> notes;
+};
+
+// Writes the torchpoint checkpoint `checkpoint_dir` (verified first, as load_state does) into
+// the new directory `output_dir` in Accelerate's layout: model.safetensors, optimizer.bin,
+// scheduler.bin, custom_checkpoint_<i>.pkl and random_states_<rank>.pkl, every pickle within
+// what torch.load(weights_only=True) accepts (plus the NumPy globals Accelerate allows for its
+// RNG file). Python's accelerator.load_state(output_dir) then restores the model, optimizer
+// (Adam, AdamW, SGD, RMSprop, Adagrad), scheduler (torchpoint's, which mirror PyTorch's), the
+// custom objects' state dicts, the step and torch's CPU generator exactly. Python's random and
+// NumPy generators, which a C++ run does not have, get MT19937 states seeded with the low 32
+// bits of torch's seed.
+//
+// Every file is written, fsynced and then the directory renamed into place, so `output_dir`
+// either holds the whole export or does not exist. Throws InvalidArgument when `output_dir`
+// exists, Unsupported naming a component Accelerate cannot hold (an LBFGS optimizer, a
+// LibTorch scheduler whose options are not readable, a GradScaler), and the errors of
+// load_directory for the checkpoint.
+//
+// Example:
+//   torchpoint::export_accelerate_checkpoint("runs/a/checkpoints/checkpoint_3", "to_python");
+//   // Python: accelerator.load_state("to_python")
+AccelerateExport export_accelerate_checkpoint(const std::string& checkpoint_dir,
+                                              const std::string& output_dir,
+                                              Env& env = Env::posix());
+
+}  // namespace torchpoint
