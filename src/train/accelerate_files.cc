@@ -406,6 +406,18 @@ bool exists(Env& env, const std::string& path) { return env.stat(path).exists; }
 
 }  // namespace
 
+// A scheduler's state (torchpoint's or torch::optim::StepLR's): what Accelerate's guide
+// registers with register_for_checkpointing, saved as a custom object.
+bool is_scheduler_state(const StateDict& s) {
+  if (!s.contains("type") || s.is_tensor("type")) return false;
+  return (s.contains("last_epoch") && s.contains("base_lrs")) ||
+         s.get<std::string>("type") == "torch::optim::StepLR";
+}
+
+namespace {
+
+}  // namespace
+
 AccelerateRead read_accelerate_directory(const std::string& dir,
                                          const std::vector<WantedComponent>& wanted,
                                          const std::string& rng_name, const StateDict& rng_current,
@@ -450,7 +462,7 @@ AccelerateRead read_accelerate_directory(const std::string& dir,
       PyValue value = load_torch_value(path, env);
       if (c.kind == "optimizer") {
         state = optimizer_from_python(value, c.current, path);
-      } else if (c.kind == "scheduler") {
+      } else if (c.kind == "scheduler" || is_scheduler_state(c.current)) {
         state = scheduler_from_python(value, c.current, path);
       } else {
         if (!value.is(Kind::kDict)) {
@@ -719,10 +731,14 @@ AccelerateExport export_accelerate_checkpoint(const std::string& checkpoint_dir,
   }
   AccelerateExport report;
   std::vector<double> initial_lrs;
+  // Python's schedulers set each param group's initial_lr: from the first scheduler's base_lrs.
   for (const Component& c : checkpoint.components) {
-    if (c.name != "scheduler") continue;
     StateDict s = StateDict::from_container(c.contents);
-    if (s.contains("base_lrs")) initial_lrs = s.get<std::vector<double>>("base_lrs");
+    if ((c.name == "scheduler" || c.name.starts_with(detail::kCustomPrefix)) &&
+        detail::is_scheduler_state(s) && s.contains("base_lrs")) {
+      initial_lrs = s.get<std::vector<double>>("base_lrs");
+      break;
+    }
   }
   PendingDir pending(env, output_dir);
   auto kind_of = [](const std::string& name) -> std::string {
@@ -758,6 +774,9 @@ AccelerateExport export_accelerate_checkpoint(const std::string& checkpoint_dir,
       } else if (kind == "scheduler") {
         value = detail::scheduler_to_python(sd, where);
         file = c.name + ".bin";
+      } else if (kind == "custom" && detail::is_scheduler_state(sd)) {
+        value = detail::scheduler_to_python(sd, where);
+        file = c.name + ".pkl";
       } else if (kind == "custom") {
         value = PyValue::dict();
         for (const auto& [key, v] : sd.entries()) value.set(key, detail::entry_value(v));
