@@ -130,7 +130,12 @@ TEST_F(AccelerateInterop, RecognisesAccelerateDirectoriesAndNotTorchpointOnes) {
   EXPECT_FALSE(is_accelerate_checkpoint(path("nothing here")));
   TempDir own;
   PreparedRun s("adam");
-  EXPECT_FALSE(is_accelerate_checkpoint(s.acc->save_state(own / "c")));
+  const std::string saved = s.acc->save_state(own / "c");
+  EXPECT_FALSE(is_accelerate_checkpoint(saved));
+  // Uncommitted (no manifest): still not Accelerate's, so load_state refuses it as before.
+  Env::posix().remove_file(saved + "/manifest.json");
+  EXPECT_FALSE(is_accelerate_checkpoint(saved));
+  testing::expect_error([&] { s.acc->load_state(saved); }, ErrorCode::NotFound, {"manifest"});
 }
 
 TEST_F(AccelerateInterop, EveryOptimizerTypeLoadsBitForBit) {

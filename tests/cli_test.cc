@@ -1274,5 +1274,64 @@ TEST(CliPrune, Errors) {
   EXPECT_NE(missing.err.find(p.tmp / "nowhere"), std::string::npos);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Python Accelerate's directories: show, verify, export --to accelerate
+
+TEST(CliAccelerate, ShowsVerifiesAndExportsAccelerateDirectories) {
+  TempDir dir;
+  auto written = testing::run_python_script("accelerate_checkpoints.py", {"write", dir.path()});
+  ASSERT_EQ(written.status, 0) << written.output;
+
+  Result show = tp({"show", dir / "adamw"});
+  EXPECT_EQ(show.status, 0) << show.err;
+  for (const char* part :
+       {"a checkpoint of Python Accelerate's save_state, 4 files",
+        "optimizer.bin (optimizer, ", "torch.optim.AdamW, 1 param group, state for 4 parameters",
+        "state.0.exp_avg_sq", "float32 [8, 4]", "param_groups.0.betas", "(0.9, 0.999)",
+        "custom_checkpoint_0.pkl (custom, ", "an LR scheduler: last_epoch 3",
+        "random_state.1", "tuple of 625 ints", "numpy <u4 [624]",
+        "Python random (not applicable in C++)", "torch_manual_seed", "uint8 [5056]",
+        "model.safetensors (model, ", "0.weight"}) {
+    EXPECT_NE(show.out.find(part), std::string::npos) << part << "\n" << show.out;
+  }
+  Json j = parse_json(tp({"show", "--json", dir / "sgd"}));
+  EXPECT_EQ(j["format"], "accelerate");
+  ASSERT_EQ(j["files"].size(), 3u);
+  EXPECT_EQ(j["files"][1]["name"], "optimizer.bin");
+  EXPECT_EQ(j["files"][1]["summary"], "torch.optim.SGD, 2 param groups, state for 4 parameters");
+
+  Result valid = tp({"verify", dir / "adamw"});
+  EXPECT_EQ(valid.status, 0) << valid.out << valid.err;
+  EXPECT_NE(valid.out.find("valid    " + dir / "adamw" + " (Python Accelerate"), std::string::npos);
+  Result bad = tp({"verify", dir / "damaged", dir / "forbidden_global"});
+  EXPECT_EQ(bad.status, 1);
+  EXPECT_NE(bad.out.find("optimizer/data/1' fails its CRC-32 check"), std::string::npos) << bad.out;
+  EXPECT_NE(bad.out.find("collections.deque"), std::string::npos) << bad.out;
+
+  // A torchpoint checkpoint, exported, is an Accelerate directory the CLI reads as one.
+  Accelerator acc;
+  torch::nn::Linear model(3, 2);
+  torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.1));
+  acc.prepare(model, adam);
+  acc.backward(model->forward(torch::ones({1, 3})).sum());
+  adam.step();
+  const std::string saved = acc.save_state(dir / "torchpoint_checkpoint");
+  Result exported = tp({"export", "--to", "accelerate", saved, dir / "to_python"});
+  EXPECT_EQ(exported.status, 0) << exported.out << exported.err;
+  EXPECT_NE(exported.out.find("wrote " + dir / "to_python" +
+                              " (model.safetensors, optimizer.bin, random_states_0.pkl)"),
+            std::string::npos)
+      << exported.out;
+  EXPECT_NE(exported.out.find("MT19937"), std::string::npos) << exported.out;  // the note
+  Result shown = tp({"show", dir / "to_python"});
+  EXPECT_NE(shown.out.find("torch.optim.Adam, 1 param group, state for 2 parameters"),
+            std::string::npos)
+      << shown.out;
+  EXPECT_EQ(tp({"verify", dir / "to_python"}).status, 0);
+  Result again = tp({"export", "--to", "accelerate", saved, dir / "to_python"});
+  EXPECT_EQ(again.status, 2);
+  EXPECT_NE(again.err.find("exists"), std::string::npos) << again.err;
+}
+
 }  // namespace
 }  // namespace torchpoint

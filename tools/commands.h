@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "torchpoint/tensor_file.h"
+
 namespace torchpoint::tool {
 
 // Exit statuses, the same for every subcommand.
@@ -26,6 +28,10 @@ struct ShowOptions {
   bool json = false;
 };
 int run_show(const ShowOptions& options, std::ostream& out);
+// show and verify of a directory written by Python Accelerate (accelerate_view.cc).
+int show_accelerate(const std::string& path, bool json, std::ostream& out);
+// Every problem found reading the files (structure, zip CRCs, pickle globals).
+VerifyReport verify_accelerate(const std::string& path);
 
 struct VerifyOptions {
   std::vector<std::string> paths;
@@ -50,6 +56,7 @@ struct ExportOptions {
   std::string path;
   std::string output;
   std::string component = "model";
+  std::string to = "torch";  // or "accelerate"
 };
 int run_export(const ExportOptions& options, std::ostream& out);
 

@@ -4,12 +4,20 @@
 #include "checkpoint_view.h"
 #include "commands.h"
 #include "output.h"
+#include "torchpoint/accelerate_interop.h"
 #include "torchpoint/error.h"
 #include "torchpoint/interop.h"
 
 namespace torchpoint::tool {
 
 int run_export(const ExportOptions& options, std::ostream& out) {
+  if (options.to == "accelerate") {
+    AccelerateExport exported = export_accelerate_checkpoint(options.path, options.output);
+    out << fmt::format("wrote {} ({}): Python's accelerator.load_state(\"{}\") restores it\n",
+                       options.output, fmt::join(exported.files, ", "), options.output);
+    for (const std::string& note : exported.notes) out << "  note: " << note << '\n';
+    return kExitOk;
+  }
   CheckpointView view = open_checkpoint(options.path);
   const ComponentView* component = find_component(view, options.component);
   if (!component) {

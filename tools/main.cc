@@ -132,10 +132,20 @@ int main(int argc, char** argv) {
   CLI::App* export_cmd =
       app.add_subcommand("export",
                          "Write a component's tensors as a PyTorch file: torch.load(OUT) returns a "
-                         "dict of name -> tensor");
+                         "dict of name -> tensor; or, with --to accelerate, a whole directory "
+                         "checkpoint as a directory Python Accelerate's load_state restores");
   export_cmd->add_option("path", export_options.path, "A directory checkpoint or a checkpoint file")
       ->required();
-  export_cmd->add_option("output", export_options.output, "The .pt file to write")->required();
+  export_cmd->add_option("output", export_options.output,
+                         "The .pt file to write (with --to accelerate: the new directory)")
+      ->required();
+  export_cmd
+      ->add_option("--to", export_options.to,
+                   "torch: one component as a .pt file; accelerate: every component in the "
+                   "layout of Accelerate's save_state (model.safetensors, optimizer.bin, "
+                   "scheduler.bin, custom_checkpoint_<i>.pkl, random_states_<rank>.pkl)")
+      ->check(CLI::IsMember({"torch", "accelerate"}))
+      ->capture_default_str();
   export_cmd
       ->add_option("--component", export_options.component,
                    "The component to export; --component \"\" exports the top-level "

@@ -4,6 +4,7 @@
 #include "checkpoint_view.h"
 #include "commands.h"
 #include "output.h"
+#include "torchpoint/accelerate_interop.h"
 
 namespace torchpoint::tool {
 namespace {
@@ -93,6 +94,7 @@ std::string or_dash(const std::string& s) { return s.empty() ? "-" : s; }
 }  // namespace
 
 int run_show(const ShowOptions& options, std::ostream& out) {
+  if (is_accelerate_checkpoint(options.path)) return show_accelerate(options.path, options.json, out);
   CheckpointView view = open_checkpoint(options.path);
   std::vector<std::string> problems;
   std::vector<RecordSeries> records = metric_records(view, &problems);

@@ -5,7 +5,9 @@
 // torchpoint checkpoint into a directory that Python's accelerator.load_state(dir) restores.
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "torchpoint/env.h"
@@ -14,15 +16,17 @@
 namespace torchpoint {
 
 // Whether `dir` holds a checkpoint written by Python Accelerate's save_state: it has no
-// torchpoint manifest, and has random_states_0.pkl or a model file (model.safetensors,
-// pytorch_model.bin) of Accelerate's names. Never throws for a missing directory (false).
+// torchpoint manifest and has random_states_0.pkl, which save_state always writes (and
+// torchpoint never does: an uncommitted torchpoint checkpoint is not taken for one). Never
+// throws for a missing directory (false).
 bool is_accelerate_checkpoint(const std::string& dir, Env& env = Env::posix());
 
 // What export_accelerate_checkpoint wrote.
 struct AccelerateExport {
   std::vector<std::string> files;  // file names written, in order
-  // What Accelerate has no place for (a data loader position, a registered C++ random engine)
-  // or fills from elsewhere (Python's random and NumPy states), one sentence each.
+  // What Accelerate has no place for (a data loader position, a registered C++ random engine,
+  // a component of another name) and was not exported, or fills from elsewhere (Python's
+  // random and NumPy states), one sentence each.
   std::vector<std::string> notes;
 };
 
@@ -48,5 +52,37 @@ struct AccelerateExport {
 AccelerateExport export_accelerate_checkpoint(const std::string& checkpoint_dir,
                                               const std::string& output_dir,
                                               Env& env = Env::posix());
+
+// One file of an Accelerate checkpoint, as `torchpoint show` lists it.
+struct AccelerateFileView {
+  std::string name;  // "optimizer.bin"
+  // "model", "optimizer", "scheduler", "scaler", "custom", "random_states", "sampler",
+  // "data loader" or "other"
+  std::string kind;
+  std::uint64_t size = 0;
+  // What it holds, in one line: "AdamW, 1 param group, state for 4 parameters".
+  std::string summary;
+  // Every value, as (key path, description): "state.0.exp_avg" -> "float32 [8, 4]",
+  // "param_groups.0.lr" -> "0.0025", "random_state.1" -> "625 ints" (long lists of numbers in
+  // one line); at most 500, then one line saying how many more.
+  std::vector<std::pair<std::string, std::string>> values;
+  // Why the file could not be read whole (empty when it was), with the error's code.
+  std::string problem;
+  ErrorCode problem_code = ErrorCode::Corruption;
+};
+
+struct AccelerateView {
+  std::string path;
+  std::vector<AccelerateFileView> files;  // in name order
+  std::int64_t step = -1;                 // from random_states_0.pkl; -1 when unknown
+};
+
+// Reads every file of the Accelerate checkpoint `dir` and checks what can be checked without
+// Python: each safetensors file's structure (offsets, shapes, dtypes), each torch.save zip's
+// records and their CRC-32s, and that each pickle uses only plain data (no Python global beyond
+// tensors, NumPy arrays and the containers; none is ever called). A file that fails is kept
+// with its `problem`, and the others are still read. Throws NotFound when `dir` is not an
+// Accelerate checkpoint (is_accelerate_checkpoint).
+AccelerateView inspect_accelerate_checkpoint(const std::string& dir, Env& env = Env::posix());
 
 }  // namespace torchpoint
