@@ -251,6 +251,20 @@ def torch_zip_corpus():
             archive = zipfile.ZipFile(pathlib.Path(tmp) / (name + ".pt"))
             pickle = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
             files[name + ".pkl"] = archive.read(pickle)
+    # Python Accelerate's files (optimizer and scheduler state dicts, random states with NumPy
+    # arrays and bytes, a custom object), written by the project venv's accelerate.
+    venv_python = ROOT / ".venv" / "bin" / "python"
+    if venv_python.exists():
+        with tempfile.TemporaryDirectory() as tmp:
+            script = ROOT / "tests" / "python" / "accelerate_checkpoints.py"
+            subprocess.run([str(venv_python), str(script), "write", tmp], check=True,
+                           stdout=subprocess.DEVNULL)
+            for name in ("optimizer.bin", "custom_checkpoint_0.pkl", "random_states_0.pkl"):
+                path = pathlib.Path(tmp) / "adamw" / name
+                files["accelerate_" + name] = path.read_bytes()
+                archive = zipfile.ZipFile(path)
+                pickle = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
+                files["accelerate_" + name + ".data.pkl"] = archive.read(pickle)
     return files
 
 

@@ -10,9 +10,13 @@
 #   4. accelerate_torchrun: Accelerate's loop on 2 processes under torchrun, once uninterrupted
 #      and once with rank 1 killed (SIGKILL) mid-epoch and the pair restarted by torchrun
 #      (--max-restarts 1): both end with the same weights, bit for bit.
+#   5. accelerate_interop: from Python Accelerate to C++ and back: the real accelerate trains
+#      and saves, the C++ program loads that directory, trains and exports it in Accelerate's
+#      layout, and Python loads it and finishes where a Python-only run ends.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh torchpoint_demo accelerate_example luz_example accelerate_torchrun torchpoint_cli
+scripts/setup.sh torchpoint_demo accelerate_example luz_example accelerate_torchrun \
+  accelerate_interop torchpoint_cli
 rm -rf build/demo-run
 mkdir -p build/demo-run
 echo "== torchpoint_demo"
@@ -45,3 +49,10 @@ else
   exit 1
 fi
 ./build/tools/torchpoint ls build/demo-run/torchrun/killed/checkpoints
+echo
+echo "== accelerate_interop (from Python Accelerate to C++ and back)"
+mkdir -p build/demo-run/interop
+"$python" examples/accelerate_interop.py start build/demo-run/interop
+./build/examples/accelerate_interop build/demo-run/interop
+"$python" examples/accelerate_interop.py finish build/demo-run/interop
+./build/tools/torchpoint show build/demo-run/interop/back_to_python | sed -n 1,12p

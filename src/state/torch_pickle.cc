@@ -669,7 +669,7 @@ class Unpickler {
       out = PyValue::dict();
       out.type = dict->counter ? "Counter" : dict->ordered ? "OrderedDict" : "dict";
       for (const auto& [key, value] : dict->entries) {
-        out.entries.emplace_back(tree(key, depth + 1, open), tree(value, depth + 1, open));
+        out.entries.push_back({tree(key, depth + 1, open), tree(value, depth + 1, open)});
       }
     } else if (const Tensor* tensor = std::get_if<Tensor>(&object)) {
       out = PyValue::of(tensor->tensor);
@@ -816,6 +816,7 @@ class Unpickler {
 
 }  // namespace
 
+PyValue PyValue::none() { return PyValue(); }
 PyValue PyValue::of(bool b) {
   PyValue v;
   v.kind = Kind::kBool;
@@ -871,8 +872,8 @@ PyValue& PyValue::set(const std::string& key, PyValue value) {
       return existing;
     }
   }
-  entries.emplace_back(of(key), std::move(value));
-  return entries.back().second;
+  entries.push_back({of(key), std::move(value)});
+  return entries.back().value;
 }
 
 const PyValue* PyValue::find(std::string_view key) const {

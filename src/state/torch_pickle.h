@@ -38,6 +38,7 @@ using StorageLoader =
 // A Python value read from a pickle, as plain data: what the files of Python Accelerate's
 // save_state hold (optimizer and scheduler state dicts, RNG states, custom objects' state
 // dicts). Nothing in it is a Python object; an ndarray is its dtype, shape and raw bytes.
+struct PyEntry;
 struct PyValue {
   enum class Kind { kNone, kBool, kInt, kFloat, kStr, kBytes, kTuple, kList, kDict, kTensor, kArray };
   Kind kind = Kind::kNone;
@@ -47,13 +48,13 @@ struct PyValue {
   // The text of a str (UTF-8), the bytes of a bytes, the raw data of an ndarray.
   std::string text;
   std::vector<PyValue> items;                        // a tuple's or a list's
-  std::vector<std::pair<PyValue, PyValue>> entries;  // a dict's, in order
+  std::vector<PyEntry> entries;  // a dict's, in order
   at::Tensor tensor;
   // A dict's class ("dict", "OrderedDict", "Counter"); an ndarray's dtype ("<u4").
   std::string type;
   std::vector<std::int64_t> shape;  // an ndarray's
 
-  static PyValue none() { return {}; }
+  static PyValue none();
   static PyValue of(bool b);
   static PyValue of(std::int64_t i);
   static PyValue of(double d);
@@ -70,6 +71,13 @@ struct PyValue {
   const PyValue* find(std::string_view key) const;
   // Python's name of this value's type: "int", "dict", "torch.Tensor", "numpy.ndarray", ...
   std::string type_name() const;
+};
+
+// One key and value of a dict. (Not a std::pair: its constructors' constraints would need
+// PyValue complete inside PyValue.)
+struct PyEntry {
+  PyValue key;
+  PyValue value;
 };
 
 // The value `pickle` holds (a torch.save data.pkl, or a plain pickle when `load` is never

@@ -436,7 +436,7 @@ detail::PyValue tensors_value(const std::vector<std::pair<std::string, at::Tenso
   detail::PyValue dict = detail::PyValue::dict();
   dict.entries.reserve(tensors.size());
   for (const auto& [name, t] : tensors) {
-    dict.entries.emplace_back(detail::PyValue::of(name), detail::PyValue::of(t));
+    dict.entries.push_back({detail::PyValue::of(name), detail::PyValue::of(t)});
   }
   return dict;
 }

@@ -611,7 +611,7 @@ PyValue optimizer_to_python(const StateDict& sd, const std::vector<double>& init
           fields.set(key, entry_value(value));
         }
       }
-      state.entries.emplace_back(PyValue::of(index), std::move(fields));
+      state.entries.push_back({PyValue::of(index), std::move(fields)});
     }
     group.set("params", std::move(params));
     groups.items.push_back(std::move(group));
@@ -652,7 +652,7 @@ PyValue scheduler_to_python(const StateDict& sd, const std::string& where) {
             found = true;
           }
         }
-        if (!found) counter.entries.emplace_back(m, PyValue::of(std::int64_t{1}));
+        if (!found) counter.entries.push_back({m, PyValue::of(std::int64_t{1})});
       }
       v = std::move(counter);
     }
