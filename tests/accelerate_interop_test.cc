@@ -11,6 +11,7 @@
 #include "testing/test_util.h"
 #include "torchpoint/accelerate_interop.h"
 #include "torchpoint/accelerator.h"
+#include "torchpoint/grad_scaler.h"
 #include "torchpoint/interop.h"
 #include "torchpoint/module_state.h"
 #include "torchpoint/optimizer_state.h"
@@ -172,6 +173,26 @@ void expect_refused(const std::string& dir, ErrorCode code, const std::vector<st
   testing::expect_error([&] { s.acc->load_state(dir); }, code, parts);
   expect_same(s.reference(), before);
   EXPECT_EQ(s.acc->step(), 0);
+}
+
+TEST_F(AccelerateInterop, AGradScalerCrossesBothWays) {
+  PreparedRun s("adamw");
+  GradScaler scaler;
+  s.acc->prepare(scaler);
+  s.acc->load_state(path("with_scaler"));
+  EXPECT_EQ(scaler.get_scale(), 1024.0);
+  StateDict state = scaler.state_dict();
+  EXPECT_EQ(state.get<std::int64_t>("_growth_tracker"), 3);
+  EXPECT_EQ(state.get<std::int64_t>("growth_interval"), 7);
+
+  TempDir work;
+  const std::string saved = s.acc->save_state(work / "checkpoint");
+  AccelerateExport exported = export_accelerate_checkpoint(saved, work / "to_python");
+  EXPECT_NE(std::find(exported.files.begin(), exported.files.end(), "scaler.pt"),
+            exported.files.end());
+  auto run = testing::run_python_script("accelerate_checkpoints.py",
+                                        {"check_scaler", work / "to_python", "1024", "3"});
+  EXPECT_EQ(run.status, 0) << run.output;
 }
 
 TEST_F(AccelerateInterop, AMissingFileIsNamedAndNothingChanges) {

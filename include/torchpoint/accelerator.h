@@ -323,13 +323,14 @@ class Accelerator {
   //
   // A directory written by Python Accelerate's save_state() (see accelerate_interop.h) is read
   // too, when named as `input_dir`: model.safetensors (or pytorch_model.bin), optimizer.bin,
-  // scheduler.bin, custom_checkpoint_<i>.pkl and random_states_<rank>.pkl of the prepared and
+  // scheduler.bin, scaler.pt, custom_checkpoint_<i>.pkl and random_states_<rank>.pkl of the prepared and
   // registered objects, in Accelerate's order. The Python optimizer must be of the prepared
   // optimizer's type (Adam, AdamW, SGD, RMSprop, Adagrad; recognised from its options) with as
   // many parameters per group, and the scheduler of the same class (torchpoint's, which mirror
   // PyTorch's, or torch::optim::StepLR); torch's CPU generator and the step are restored
-  // exactly; Python's random and NumPy states are listed in `not_applicable`; data loaders keep
-  // their position (Accelerate has none for them: skip_first_batches as Accelerate users do).
+  // exactly; Python's random and NumPy states (and sampler.bin or dl_state_dict.bin, pickled
+  // Python loader objects) are listed in `not_applicable`; data loaders keep their position
+  // (Accelerate has none for a plain loader: skip_first_batches as Accelerate users do).
   // Everything is read and translated before anything changes. Errors: NotFound naming a
   // missing file, Incompatible naming what differs (or a file no object takes, or an
   // accelerator's RNG state), Unsupported naming a Python type or global torchpoint does not

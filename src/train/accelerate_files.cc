@@ -351,6 +351,31 @@ StateDict scheduler_from_python(const PyValue& saved, const StateDict& current,
   return out;
 }
 
+// A GradScaler's state: PyTorch's keys and torchpoint's are the same (scale, growth_factor,
+// backoff_factor, growth_interval, _growth_tracker).
+StateDict scaler_from_python(const PyValue& saved, const StateDict& current,
+                             const std::string& where) {
+  if (!saved.is(Kind::kDict)) {
+    incompatible(where, fmt::format("it holds a {}, not a GradScaler's state_dict()",
+                                    saved.type_name()));
+  }
+  if (saved.entries.empty()) {
+    incompatible(where, "it is the state of a disabled GradScaler (empty), but a GradScaler is "
+                        "prepared");
+  }
+  StateDict out;
+  out.set_description(where);
+  for (const auto& [key, now] : current.entries()) {
+    const PyValue& v = need(saved, key, where);
+    if (std::holds_alternative<at::Tensor>(now)) {
+      out.set_double(key, as_number(v, where, key));
+    } else {
+      out.set(key, to_json(v, fmt::format("{} '{}'", where, key)));
+    }
+  }
+  return out;
+}
+
 // --- random states ----------------------------------------------------------------------------
 
 StateDict rng_from_python(const PyValue& saved, const StateDict& current, const std::string& where,
@@ -456,8 +481,7 @@ AccelerateRead read_accelerate_directory(const std::string& dir,
         state = load_torch_state_dict(path, env);
       }
     } else if (c.kind == "scaler") {
-      throw Error(ErrorCode::Unsupported,
-                  fmt::format("{}: a GradScaler's state is not carried from Python Accelerate", path));
+      state = scaler_from_python(load_torch_value(path, env), c.current, path);
     } else {
       PyValue value = load_torch_value(path, env);
       if (c.kind == "optimizer") {
@@ -504,6 +528,11 @@ AccelerateRead read_accelerate_directory(const std::string& dir,
                        name.starts_with(kCustomPrefix) || name == "scaler.pt";
     if (known) {
       unclaimed.push_back(name);
+    } else if (name.starts_with("sampler") || name.starts_with("dl_state_dict")) {
+      read.not_applicable.push_back(fmt::format(
+          "{}: {} (the state of a Python data loader or sampler object) has no C++ counterpart: "
+          "not restored; the prepared loaders keep their position",
+          dir, name));
     } else {
       read.notes.push_back(fmt::format("{}: {} is not a file of Accelerate's save_state: ignored",
                                        dir, name));
@@ -742,6 +771,7 @@ AccelerateExport export_accelerate_checkpoint(const std::string& checkpoint_dir,
   }
   PendingDir pending(env, output_dir);
   auto kind_of = [](const std::string& name) -> std::string {
+    if (name == "scaler") return std::string("scaler");
     for (const char* kind : {"model", "optimizer", "scheduler", "sampler"}) {
       if (name == kind || (name.starts_with(std::string(kind) + "_") &&
                            name.find_first_not_of("0123456789", std::strlen(kind) + 1) ==
@@ -766,9 +796,18 @@ AccelerateExport export_accelerate_checkpoint(const std::string& checkpoint_dir,
       }
       file = c.name + ".safetensors";
       save_file(join_path(pending.temp_path(), file), tensors.to_container(), env);
-    } else if (kind == "optimizer" || kind == "scheduler" || kind == "custom" || kind == "rng") {
+    } else if (kind == "optimizer" || kind == "scheduler" || kind == "custom" || kind == "rng" ||
+               kind == "scaler") {
       PyValue value;
-      if (kind == "optimizer") {
+      if (kind == "scaler") {
+        value = PyValue::dict();
+        for (const auto& [key, v] : sd.entries()) {
+          PyValue p = detail::entry_value(v);
+          if (p.is(detail::Kind::kTensor)) p = PyValue::of(p.tensor.item<double>());
+          value.set(key, std::move(p));
+        }
+        file = "scaler.pt";
+      } else if (kind == "optimizer") {
         value = detail::optimizer_to_python(sd, initial_lrs, where);
         file = c.name + ".bin";
       } else if (kind == "scheduler") {

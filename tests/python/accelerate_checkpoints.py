@@ -5,12 +5,15 @@ side of its export checks.
       For each optimizer of CONFIGS: the model trained 3 steps with it (and, for adamw, a StepLR
       registered for checkpointing, as Accelerate's guide does), saved by accelerator.save_state
       to OUT/<name>; OUT/<name>.reference.safetensors holds what was saved (parameters,
-      optimizer state by group and position, torch's RNG state). Then hostile variants of
-      OUT/adamw: a missing optimizer.bin, a pickle with a global torchpoint must not read, a
-      CUDA RNG state, a damaged record, an unclaimed extra file.
+      optimizer state by group and position, torch's RNG state). Then variants of OUT/adamw:
+      with a GradScaler's scaler.pt; hostile ones: a missing optimizer.bin, a pickle with a
+      global torchpoint must not read, a CUDA RNG state, a damaged record, an unclaimed extra
+      file.
   accelerate_checkpoints.py check NAME DIR REFERENCE
       accelerator.load_state(DIR) into fresh objects of CONFIGS[NAME]; exits 1 naming every value
       that differs from REFERENCE (written by the C++ test in the same layout).
+  accelerate_checkpoints.py check_scaler DIR SCALE TRACKER
+      torch.amp.GradScaler("cpu") loads DIR/scaler.pt (weights_only=True) with that state.
 """
 import collections
 import os
@@ -131,6 +134,12 @@ def write(out_dir):
     extra_len = int.from_bytes(data[header + 28:header + 30], "little")
     data[header + 30 + name_len + extra_len] ^= 0x10
     open(opt_file, "wb").write(bytes(data))
+    # A GradScaler's state beside the rest, as Accelerate writes it with mixed precision.
+    path = variant("with_scaler")
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=7)
+    state = scaler.state_dict()
+    state["_growth_tracker"] = 3
+    torch.save(state, os.path.join(path, "scaler.pt"))
     # A second optimizer's file that no prepared optimizer takes.
     path = variant("extra_optimizer")
     shutil.copy(os.path.join(path, "optimizer.bin"), os.path.join(path, "optimizer_1.bin"))
@@ -153,9 +162,20 @@ def check(name, directory, reference_path):
     print("%s: %d values identical" % (name, len(got)))
 
 
+def check_scaler(directory, scale, tracker):
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.load_state_dict(torch.load(os.path.join(directory, "scaler.pt"), weights_only=True))
+    state = scaler.state_dict()
+    if state["scale"] != float(scale) or state["_growth_tracker"] != int(tracker):
+        sys.exit("scaler: %s, expected scale %s and _growth_tracker %s" % (state, scale, tracker))
+    print("scaler: %s" % state)
+
+
 if sys.argv[1] == "write":
     write(sys.argv[2])
 elif sys.argv[1] == "check":
     check(sys.argv[2], sys.argv[3], sys.argv[4])
+elif sys.argv[1] == "check_scaler":
+    check_scaler(sys.argv[2], sys.argv[3], sys.argv[4])
 else:
     sys.exit(__doc__)
