@@ -802,7 +802,7 @@ LoadStateReport Accelerator::load_accelerate_state(const std::string& path,
   }
   // Everything else may draw random numbers while loading; the restored streams must not move.
   set.add(rng_name, AnyStateful::ref(rng_), /*restore_last=*/true);
-  RestoreReport restored = set.restore(read.all);
+  set.restore(read.all);
   reset_after_load();
   step_ = read.step;
   continue_numbering_after(path);
@@ -823,7 +823,6 @@ LoadStateReport Accelerator::load_accelerate_state(const std::string& path,
       "PyTorch's Python optimizers and LibTorch's compute the following steps with other "
       "kernels, which may differ in the last bits",
       path));
-  (void)restored;
   return report;
 }
 
