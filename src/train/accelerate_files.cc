@@ -52,6 +52,13 @@ std::vector<std::string> accelerate_files_of(const std::string& name, const std:
   throw Error(ErrorCode::Incompatible, fmt::format("{}: {}", where, what));
 }
 
+// Throws Incompatible unless `saved` is a dict: `what`'s state_dict().
+void require_dict(const PyValue& saved, const std::string& where, const char* what) {
+  if (!saved.is(Kind::kDict)) {
+    incompatible(where, fmt::format("it holds a {}, not {} state_dict()", saved.type_name(), what));
+  }
+}
+
 const PyValue& need(const PyValue& dict, std::string_view key, const std::string& where) {
   const PyValue* v = dict.find(key);
   if (v == nullptr) {
@@ -193,10 +200,7 @@ void check_python_only_options(const PyValue& group, const std::string& where) {
 
 StateDict optimizer_from_python(const PyValue& saved, const StateDict& current,
                                 const std::string& where) {
-  if (!saved.is(Kind::kDict)) {
-    incompatible(where, fmt::format("it holds a {}, not an optimizer's state_dict()",
-                                    saved.type_name()));
-  }
+  require_dict(saved, where, "an optimizer's");
   const PyValue& groups = need(saved, "param_groups", where);
   const PyValue& state = need(saved, "state", where);
   if (!groups.is(Kind::kList) || groups.items.empty() || !state.is(Kind::kDict)) {
@@ -306,10 +310,7 @@ StateDict optimizer_from_python(const PyValue& saved, const StateDict& current,
 
 StateDict scheduler_from_python(const PyValue& saved, const StateDict& current,
                                 const std::string& where) {
-  if (!saved.is(Kind::kDict)) {
-    incompatible(where, fmt::format("it holds a {}, not a scheduler's state_dict()",
-                                    saved.type_name()));
-  }
+  require_dict(saved, where, "a scheduler's");
   StateDict out;
   out.set_description(where);
   const std::string type = current.get<std::string>("type");
@@ -355,10 +356,7 @@ StateDict scheduler_from_python(const PyValue& saved, const StateDict& current,
 // backoff_factor, growth_interval, _growth_tracker).
 StateDict scaler_from_python(const PyValue& saved, const StateDict& current,
                              const std::string& where) {
-  if (!saved.is(Kind::kDict)) {
-    incompatible(where, fmt::format("it holds a {}, not a GradScaler's state_dict()",
-                                    saved.type_name()));
-  }
+  require_dict(saved, where, "a GradScaler's");
   if (saved.entries.empty()) {
     incompatible(where, "it is the state of a disabled GradScaler (empty), but a GradScaler is "
                         "prepared");
