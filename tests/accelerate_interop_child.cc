@@ -1,5 +1,5 @@
 // The C++ side of tests/python/accelerate_interop_check.py: the seed's Accelerate example (a
-// small model, AdamW, a StepLR, a registered object, automatic naming) in C++, trained on
+// small model, AdamW or SGD, a StepLR, a registered object, automatic naming) in C++, trained on
 // batches written by the Python script, against checkpoints of the real Python Accelerate.
 //
 //   accelerate_interop_child continue DIR BATCHES FROM STEPS OUT
@@ -13,6 +13,8 @@
 #include <torch/torch.h>
 
 #include <cstdio>
+#include <cstdlib>
+#include <memory>
 #include <fstream>
 #include <string>
 
@@ -49,10 +51,21 @@ struct Counter {
   }
 };
 
+// The optimizer of the Python run: INTEROP_OPTIMIZER=sgd for SGD with momentum, else AdamW.
+std::shared_ptr<torch::optim::Optimizer> make_optimizer(const torch::nn::Sequential& model) {
+  const char* which = std::getenv("INTEROP_OPTIMIZER");
+  if (which != nullptr && std::string(which) == "sgd") {
+    return std::make_shared<torch::optim::SGD>(model->parameters(),
+                                               torch::optim::SGDOptions(0.05).momentum(0.9));
+  }
+  return std::make_shared<torch::optim::AdamW>(model->parameters(),
+                                               torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+}
+
 struct Run {
   torch::nn::Sequential model{torch::nn::Linear(4, 8), torch::nn::ReLU(), torch::nn::Linear(8, 2)};
-  torch::optim::AdamW optimizer{model->parameters(),
-                                torch::optim::AdamWOptions(1e-2).weight_decay(0.01)};
+  std::shared_ptr<torch::optim::Optimizer> optimizer_ptr = make_optimizer(model);
+  torch::optim::Optimizer& optimizer = *optimizer_ptr;
   tp::StepLR scheduler{optimizer, tp::StepLROptions(2).gamma(0.5)};
   Counter counter;
 };

@@ -1,6 +1,6 @@
 """Python Accelerate and torchpoint continue each other's runs.
 
-Usage: accelerate_interop_check.py CHILD SCRATCH
+Usage: accelerate_interop_check.py CHILD SCRATCH [adamw|sgd]
 
 The seed's example (a small model, AdamW, a StepLR, a registered object, automatic naming) is
 trained for N steps on fixed batches and saved, then continued for M more steps, by Python
@@ -11,12 +11,13 @@ Accelerate and by CHILD (tests/accelerate_interop_child.cc), in both directions:
   C++ -> Python: the C++ program saves, exports the checkpoint to Accelerate's layout and trains
   M steps; a fresh Python process runs accelerator.load_state on the export and trains M steps.
 
-Checked, for each direction: right after the load, the parameters and AdamW's moments and steps
+Checked, for each direction: right after the load, the parameters and the optimizer's state
 are bit-identical to the saving run's; after M steps the learning rates of the scheduler and the
 next 16 numbers of torch's CPU generator are identical, and the parameters agree within
 TOLERANCE (PyTorch's Python AdamW and LibTorch's C++ AdamW do the same arithmetic with other
-kernels: Python's exp_avg.lerp_ against C++'s mul_().add_()); the registered object's state and
-the step are carried. Prints the largest difference seen.
+kernels: Python's exp_avg.lerp_ against C++'s mul_().add_()); with SGD (momentum), whose two
+implementations round alike, they must be bit-identical. The registered object's state and the
+step are carried. Prints the largest difference seen.
 
   accelerate_interop_check.py _python_continue DIR BATCHES FROM STEPS OUT
       the Python side of a continuation (run in its own process).
@@ -31,10 +32,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 N, M = 5, 6
+OPTIMIZER = sys.argv[3] if len(sys.argv) > 3 and sys.argv[1] != "_python_continue" else "adamw"
+if sys.argv[1] != "_python_continue":
+    os.environ["INTEROP_OPTIMIZER"] = OPTIMIZER  # for the child and the Python continuations
 # Largest absolute difference allowed between the parameters (of magnitude below 1) of the
-# Python and the C++ continuation after M steps, both float32: a few units in the last place
-# (see the docstring; measured: below 1e-8).
-TOLERANCE = 1e-7
+# Python and the C++ continuation after M steps, both float32: for AdamW a few units in the last
+# place (see the docstring; measured: below 1e-8), for SGD none.
+TOLERANCE = 1e-7 if OPTIMIZER == "adamw" else 0.0
 
 
 class Counter:
@@ -61,7 +65,10 @@ def make_run(project=None):
         if project else None
     accelerator = Accelerator(project_config=config, cpu=True)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    if os.environ.get("INTEROP_OPTIMIZER") == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     counter = Counter()
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
@@ -136,6 +143,7 @@ if len(sys.argv) == 7 and sys.argv[1] == "_python_continue":
     sys.exit(0)
 
 child, scratch = sys.argv[1:3]
+scratch = os.path.join(scratch, OPTIMIZER)
 shutil.rmtree(scratch, ignore_errors=True)
 os.makedirs(scratch)
 problems = []
@@ -250,9 +258,9 @@ if step != exported["step"]:
                     (step, exported["step"]))
 
 for direction, largest in worst.items():
-    print("%s: parameters after %d more steps differ by at most %.3g (tolerance %g); learning "
-          "rates, RNG draws, optimizer state at the load: identical" %
-          (direction, M, largest, TOLERANCE) if not problems else
+    print("%s (%s): parameters after %d more steps differ by at most %.3g (tolerance %g); "
+          "learning rates, RNG draws, optimizer state at the load: identical" %
+          (direction, OPTIMIZER, M, largest, TOLERANCE) if not problems else
           "%s: largest parameter difference %.3g" % (direction, largest))
 if problems:
     print("\n".join("FAILED: " + p for p in problems))
