@@ -48,6 +48,26 @@ std::vector<std::string> accelerate_files_of(const std::string& name, const std:
   return {};
 }
 
+// The kind of a component, or of an Accelerate file, by its name without the extension:
+// "model" for "model" and "model_1", ..., "custom" for "custom_checkpoint_<i>", "random_states"
+// for "random_states_<rank>", "data loader" for "dl_state_dict"; "" for any other name.
+std::string component_kind(std::string_view stem) {
+  if (stem == "scaler") return "scaler";
+  if (stem.starts_with(kCustomPrefix)) return "custom";
+  if (stem.starts_with(kRngPrefix)) return "random_states";
+  static constexpr std::pair<std::string_view, std::string_view> kNumbered[] = {
+      {"model", "model"},     {"optimizer", "optimizer"},       {"scheduler", "scheduler"},
+      {"sampler", "sampler"}, {"dl_state_dict", "data loader"}};
+  for (const auto& [prefix, kind] : kNumbered) {
+    if (stem == prefix) return std::string(kind);
+    if (stem.size() > prefix.size() + 1 && stem.starts_with(prefix) && stem[prefix.size()] == '_' &&
+        stem.find_first_not_of("0123456789", prefix.size() + 1) == std::string_view::npos) {
+      return std::string(kind);
+    }
+  }
+  return "";
+}
+
 [[noreturn]] void incompatible(const std::string& where, const std::string& what) {
   throw Error(ErrorCode::Incompatible, fmt::format("{}: {}", where, what));
 }
@@ -760,29 +780,16 @@ AccelerateExport export_accelerate_checkpoint(const std::string& checkpoint_dir,
   std::vector<double> initial_lrs;
   // Python's schedulers set each param group's initial_lr: from the first scheduler's base_lrs.
   for (const Component& c : checkpoint.components) {
+    if (c.name != "scheduler" && !c.name.starts_with(detail::kCustomPrefix)) continue;
     StateDict s = StateDict::from_container(c.contents);
-    if ((c.name == "scheduler" || c.name.starts_with(detail::kCustomPrefix)) &&
-        detail::is_scheduler_state(s) && s.contains("base_lrs")) {
+    if (detail::is_scheduler_state(s) && s.contains("base_lrs")) {
       initial_lrs = s.get<std::vector<double>>("base_lrs");
       break;
     }
   }
   PendingDir pending(env, output_dir);
-  auto kind_of = [](const std::string& name) -> std::string {
-    if (name == "scaler") return std::string("scaler");
-    for (const char* kind : {"model", "optimizer", "scheduler", "sampler"}) {
-      if (name == kind || (name.starts_with(std::string(kind) + "_") &&
-                           name.find_first_not_of("0123456789", std::strlen(kind) + 1) ==
-                               std::string::npos)) {
-        return kind;
-      }
-    }
-    if (name.starts_with(detail::kCustomPrefix)) return "custom";
-    if (name.starts_with(detail::kRngPrefix)) return "rng";
-    return name;
-  };
   for (const Component& c : checkpoint.components) {
-    const std::string kind = kind_of(c.name);
+    const std::string kind = detail::component_kind(c.name);
     const std::string where = fmt::format("{}: {}", checkpoint_dir, c.name);
     StateDict sd = StateDict::from_container(c.contents);
     sd.set_description(where);
@@ -794,8 +801,8 @@ AccelerateExport export_accelerate_checkpoint(const std::string& checkpoint_dir,
       }
       file = c.name + ".safetensors";
       save_file(join_path(pending.temp_path(), file), tensors.to_container(), env);
-    } else if (kind == "optimizer" || kind == "scheduler" || kind == "custom" || kind == "rng" ||
-               kind == "scaler") {
+    } else if (kind == "optimizer" || kind == "scheduler" || kind == "custom" ||
+               kind == "random_states" || kind == "scaler") {
       PyValue value;
       if (kind == "scaler") {
         value = PyValue::dict();
@@ -939,22 +946,21 @@ void describe(const PyValue& v, const std::string& path, AccelerateFileView& out
   }
 }
 
+// The kind of an Accelerate file: its stem's kind, when it has that kind's extension.
 std::string kind_of_file(const std::string& name) {
-  auto numbered = [&](std::string_view stem, std::string_view extension) {
-    if (!name.starts_with(stem) || !name.ends_with(extension)) return false;
-    std::string middle = name.substr(stem.size(), name.size() - stem.size() - extension.size());
-    return middle.empty() || (middle[0] == '_' && middle.size() > 1 &&
-                              middle.find_first_not_of("0123456789", 1) == std::string::npos);
-  };
-  if (numbered("model", ".safetensors") || numbered("pytorch_model", ".bin")) return "model";
-  if (numbered("optimizer", ".bin")) return "optimizer";
-  if (numbered("scheduler", ".bin")) return "scheduler";
-  if (numbered("sampler", ".bin")) return "sampler";
-  if (numbered("dl_state_dict", ".bin")) return "data loader";
-  if (name == "scaler.pt") return "scaler";
-  if (name.starts_with(kCustomPrefix) && name.ends_with(".pkl")) return "custom";
-  if (name.starts_with(kRngPrefix) && name.ends_with(".pkl")) return "random_states";
-  return "other";
+  const std::size_t dot = name.find('.');
+  if (dot == std::string::npos) return "other";
+  std::string_view stem = std::string_view(name).substr(0, dot);
+  const std::string_view extension = std::string_view(name).substr(dot);
+  const bool pickled_model = stem.starts_with("pytorch_");  // pytorch_model.bin
+  if (pickled_model) stem.remove_prefix(std::string_view("pytorch_").size());
+  const std::string kind = component_kind(stem);
+  const std::string_view expected = kind == "model"  ? (pickled_model ? ".bin" : ".safetensors")
+                                    : kind == "scaler" ? ".pt"
+                                    : kind == "custom" || kind == "random_states" ? ".pkl"
+                                                                                  : ".bin";
+  return !kind.empty() && extension == expected && (!pickled_model || kind == "model") ? kind
+                                                                                       : "other";
 }
 
 std::string summary_of(const std::string& kind, const PyValue& v) {

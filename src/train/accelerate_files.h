@@ -19,7 +19,8 @@ namespace torchpoint::detail {
 
 // A component the loading program registered: its file stem ("optimizer_1"), its kind
 // ("model", "optimizer", "scheduler", "scaler", "sampler", "custom") and its state now, which
-// shows the names, types and layout the translated state must have.
+// shows the names, types and layout the translated state must have (left empty for a model
+// and a sampler, whose translation does not need it).
 struct WantedComponent {
   std::string name;
   std::string kind;

@@ -781,8 +781,10 @@ LoadStateReport Accelerator::load_accelerate_state(const std::string& path,
   std::vector<detail::WantedComponent> wanted;
   for (std::size_t i = 0; i < components_.size(); ++i) {
     const Component& c = components_[i];
-    wanted.push_back(
-        {names[i], c.kind, c.kind == "sampler" ? StateDict() : c.object.state_dict()});
+    // The state now shows the layout the translation must produce; a model's and a sampler's
+    // are not needed.
+    const bool needs_current = c.kind != "model" && c.kind != "sampler";
+    wanted.push_back({names[i], c.kind, needs_current ? c.object.state_dict() : StateDict()});
   }
   const std::string rng_name = random_states_name(process_index());
   detail::AccelerateRead read;
