@@ -860,13 +860,14 @@ void run_async_bench(const Options& options, const std::vector<State>& states,
 //
 // What load_state() does: the checkpoint's tensors end up in memory the model already has. For
 // each tensor state: pread of the same bytes straight into existing tensors (the machine's
-// limit), and torchpoint::load_file (verified) followed by copy_ into existing tensors, as
-// ModuleState does. Cold: the page cache is dropped before each load.
+// limit); torchpoint::load_file_into (verified in full, then read into the tensors); and, for
+// comparison, torchpoint::load_file into new tensors followed by copy_. Cold: the page cache is
+// dropped before each load. The order of the three rotates with the repetition.
 
 struct IntoCase {
   std::string state;
   std::uint64_t bytes = 0;
-  std::vector<double> pread_s, torchpoint_s;
+  std::vector<double> pread_s, into_s, copy_s;
 };
 
 IntoCase run_into_case(const State& s, const Options& options, const std::string& dir) {
@@ -878,39 +879,55 @@ IntoCase run_into_case(const State& s, const Options& options, const std::string
   torchpoint::save_file(file, s.data);
   save_raw(s, raw);
   // The model's memory: allocated and written once, as a live model's is.
-  std::vector<at::Tensor> model;
-  for (const auto& [name, t] : s.data.tensors) model.push_back(torch::zeros_like(t));
-  for (int rep = 0; rep < options.reps; ++rep) {
-    for (int k = 0; k < 2; ++k) {
-      if ((rep + k) % 2 == 0) {
-        drop_page_cache(raw);
-        c.pread_s.push_back(time_seconds([&] {
-          int fd = open_or_throw(raw, O_RDONLY);
-          std::uint64_t offset = 0;
-          for (at::Tensor& t : model) {
-            std::size_t size = t.nbytes();
-            for (std::size_t done = 0; done < size;) {
-              ssize_t n = ::pread(fd, static_cast<std::uint8_t*>(t.data_ptr()) + done, size - done,
-                                  static_cast<off_t>(offset + done));
-              if (n < 0 && errno == EINTR) continue;
-              if (n <= 0) throw_errno("pread " + raw);
-              done += static_cast<std::size_t>(n);
-            }
-            offset += size;
-          }
-          close_or_throw(fd, raw);
-        }));
-      } else {
-        drop_page_cache(file);
-        c.torchpoint_s.push_back(time_seconds([&] {
-          Container loaded = torchpoint::load_file(file);
-          at::NoGradGuard no_grad;
-          for (std::size_t i = 0; i < model.size(); ++i) model[i].copy_(loaded.tensors[i].second);
-        }));
+  torchpoint::NamedTensors model;
+  for (const auto& [name, t] : s.data.tensors) model.emplace_back(name, torch::zeros_like(t));
+  auto check = [&](const char* what) {
+    for (std::size_t i = 0; i < model.size(); i += std::max<std::size_t>(1, model.size() / 64)) {
+      if (!torch::equal(model[i].second, s.data.tensors[i].second)) {
+        throw std::runtime_error(fmt::format("L: {} returned other values", what));
       }
     }
-    if (rep == 0 && !torch::equal(model.back(), s.data.tensors.back().second)) {
-      throw std::runtime_error("L: the load into existing memory returned other values");
+    for (auto& [name, t] : model) t.zero_();
+  };
+  for (int rep = 0; rep < options.reps; ++rep) {
+    for (int k = 0; k < 3; ++k) {
+      switch ((rep + k) % 3) {
+        case 0:
+          drop_page_cache(raw);
+          c.pread_s.push_back(time_seconds([&] {
+            int fd = open_or_throw(raw, O_RDONLY);
+            std::uint64_t offset = 0;
+            for (auto& [name, t] : model) {
+              std::size_t size = t.nbytes();
+              for (std::size_t done = 0; done < size;) {
+                ssize_t n = ::pread(fd, static_cast<std::uint8_t*>(t.data_ptr()) + done,
+                                    size - done, static_cast<off_t>(offset + done));
+                if (n < 0 && errno == EINTR) continue;
+                if (n <= 0) throw_errno("pread " + raw);
+                done += static_cast<std::size_t>(n);
+              }
+              offset += size;
+            }
+            close_or_throw(fd, raw);
+          }));
+          if (rep == 0) check("pread");
+          break;
+        case 1:
+          drop_page_cache(file);
+          c.into_s.push_back(time_seconds([&] { torchpoint::load_file_into(file, model); }));
+          if (rep == 0) check("load_file_into");
+          break;
+        default:
+          drop_page_cache(file);
+          c.copy_s.push_back(time_seconds([&] {
+            Container loaded = torchpoint::load_file(file);
+            at::NoGradGuard no_grad;
+            for (std::size_t i = 0; i < model.size(); ++i) {
+              model[i].second.copy_(loaded.tensors[i].second);
+            }
+          }));
+          if (rep == 0) check("load_file + copy_");
+      }
     }
   }
   remove_if_exists(file);
@@ -924,18 +941,22 @@ void run_into_bench(const Options& options, const std::vector<State>& states,
   for (const State& s : states) cases.push_back(run_into_case(s, options, dir));
   fmt::print(table,
              "\nL: loads into existing memory (median of {} reps, cold; s and GB/s)\n"
-             "{:<5} | {:>14} | {:>24} | {:>10}\n",
-             options.reps, "state", "pread into", "torchpoint load + copy_", "tp/pread");
+             "{:<5} | {:>14} | {:>17} | {:>10} | {:>24} | {:>10}\n",
+             options.reps, "state", "pread into", "load_file_into", "into/pread",
+             "load_file + copy_", "copy/pread");
   for (const IntoCase& c : cases) {
-    fmt::print(table, "{:<5} | {:>7.3f} {:>6} | {:>17.3f} {:>6} | {:>10.2f}\n", c.state,
-               median(c.pread_s), gbps(c.bytes, median(c.pread_s)), median(c.torchpoint_s),
-               gbps(c.bytes, median(c.torchpoint_s)), median(c.torchpoint_s) / median(c.pread_s));
+    double p = median(c.pread_s);
+    fmt::print(table, "{:<5} | {:>7.3f} {:>6} | {:>10.3f} {:>6} | {:>10.2f} | {:>17.3f} {:>6} | {:>10.2f}\n",
+               c.state, p, gbps(c.bytes, p), median(c.into_s), gbps(c.bytes, median(c.into_s)),
+               median(c.into_s) / p, median(c.copy_s), gbps(c.bytes, median(c.copy_s)),
+               median(c.copy_s) / p);
   }
   if (json == nullptr) return;
   for (const IntoCase& c : cases) {
     for (const auto& [system, v] :
          {std::pair<const char*, const std::vector<double>*>{"pread", &c.pread_s},
-          {"torchpoint", &c.torchpoint_s}}) {
+          {"torchpoint", &c.into_s},
+          {"torchpoint-copy", &c.copy_s}}) {
       fmt::print(json, "{}\n",
                  record(c.state, "load_into", system, *v, c.bytes, options.reps).dump());
     }

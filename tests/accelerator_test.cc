@@ -14,6 +14,8 @@
 #include "testing/test_util.h"
 #include "tests/accelerator_job.h"
 #include "torchpoint/error.h"
+#include "torchpoint/module_state.h"
+#include "torchpoint/optimizer_state.h"
 
 namespace torchpoint {
 namespace {
@@ -440,6 +442,105 @@ TEST(Accelerator, SaveIntoExistingDirectories) {
   expect_error([&] { job.acc.save_state(dir / "busy", /*overwrite=*/true); },
                ErrorCode::InvalidArgument, {"no manifest.json"});
   EXPECT_EQ(testing::read_bytes(dir / "busy/readme.txt"), "not a checkpoint");
+}
+
+// load_state() reads a model's parameters straight into the memory they have (the optimizer
+// keeps stepping the same tensors), from one file or from shards, and bumps their versions.
+TEST(Accelerator, LoadStateFillsTheModelInPlaceFromOneFileOrShards) {
+  for (std::uint64_t shard_size : {std::uint64_t{0}, std::uint64_t{512}}) {
+    SCOPED_TRACE(shard_size);
+    TempDir dir;
+    AcceleratorJob job(automatic(dir / "p").shard_size(shard_size));
+    job.train(/*save_every=*/0);
+    StateDict trained = job.final_state();
+    std::string path = job.acc.save_state();
+    if (shard_size > 0) {
+      ASSERT_TRUE(std::filesystem::exists(path + "/model.safetensors.index.json"));
+    }
+    AcceleratorJob other(automatic(dir / "p").shard_size(shard_size));
+    std::vector<const void*> memory;
+    std::vector<std::uint32_t> versions;
+    for (const at::Tensor& p : other.model->parameters()) {
+      memory.push_back(p.data_ptr());
+      versions.push_back(p._version());
+    }
+    LoadStateReport r = other.acc.load_state(path);
+    EXPECT_EQ(r.components.front(), "model");
+    expect_same_state(trained, other.final_state());
+    std::vector<at::Tensor> params = other.model->parameters();
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      EXPECT_EQ(params[i].data_ptr(), memory[i]) << "parameter " << i << " was replaced";
+      EXPECT_GT(params[i]._version(), versions[i]) << "parameter " << i;
+      EXPECT_EQ(other.optimizer.param_groups()[0].params()[i].data_ptr(), memory[i]);
+    }
+  }
+}
+
+// Refuses the state it is given when `refuse` is set, as a component whose checks fail would.
+struct Refuser {
+  bool refuse = false;
+  StateDict state_dict() const {
+    StateDict s;
+    s.set("x", 1);
+    return s;
+  }
+  void load_state_dict(const StateDict&) {
+    if (refuse) throw Error(ErrorCode::Incompatible, "Refuser: refused");
+  }
+};
+
+// The model is copied in last: when a later component refuses its state, the model has not
+// changed, although no copy of it was held; and the components restored before it are put back.
+TEST(Accelerator, AComponentRefusingItsStateLeavesTheModelUntouched) {
+  TempDir dir;
+  auto make = [&](std::uint64_t seed) {
+    torch::manual_seed(seed);
+    return torch::nn::Sequential(torch::nn::Linear(40, 30), torch::nn::Linear(30, 2));
+  };
+  torch::nn::Sequential model = make(1);
+  torch::optim::Adam adam(model->parameters(), 1e-2);
+  Refuser refuser;
+  Accelerator acc(automatic(dir / "p"));
+  acc.prepare(model, adam);
+  acc.register_for_checkpointing(refuser);
+  model->forward(torch::randn({4, 40})).sum().backward();
+  adam.step();
+  std::string path = acc.save_state();
+
+  torch::nn::Sequential other = make(2);
+  torch::optim::Adam other_adam(other->parameters(), 1e-2);
+  Refuser other_refuser;
+  other_refuser.refuse = true;
+  Accelerator other_acc(automatic(dir / "q"));
+  other_acc.prepare(other, other_adam);
+  other_acc.register_for_checkpointing(other_refuser);
+  StateDict model_before = module_state_dict(*other).clone();
+  StateDict optimizer_before = optimizer_state_dict(other_adam).clone();
+  std::vector<std::uint32_t> versions;
+  for (const at::Tensor& p : other->parameters()) versions.push_back(p._version());
+  expect_error([&] { other_acc.load_state(path); }, ErrorCode::Incompatible, {"refused"});
+  expect_same_state(model_before, module_state_dict(*other));
+  // Not even written and put back (which would have bumped the versions twice).
+  for (std::size_t i = 0; i < versions.size(); ++i) {
+    EXPECT_EQ(other->parameters()[i]._version(), versions[i]) << "parameter " << i;
+  }
+  expect_same_state(optimizer_before, optimizer_state_dict(other_adam));
+  other_refuser.refuse = false;
+  other_acc.load_state(path);
+  expect_same_state(module_state_dict(*model), module_state_dict(*other));
+}
+
+// A model that does not fit the checkpoint is not read into: the module's own check names
+// every key that differs, as before.
+TEST(Accelerator, AModelOfAnotherShapeIsReportedByKey) {
+  TempDir dir;
+  AcceleratorJob job(automatic(dir / "p"));
+  std::string path = job.acc.save_state();
+  AcceleratorJob wider(automatic(dir / "q"), Env::posix(), /*hidden=*/33);
+  StateDict before = wider.final_state();
+  expect_error([&] { wider.acc.load_state(path); }, ErrorCode::Incompatible,
+               {"does not fit this module", "size mismatch for 0.weight"});
+  expect_same_state(before, wider.final_state());
 }
 
 }  // namespace

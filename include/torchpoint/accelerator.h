@@ -309,7 +309,11 @@ class Accelerator {
   // ...), since resuming from an older one would lose its progress. Every file is verified and
   // every component name checked before anything changes; should a component still refuse its
   // state, the ones already restored are put back (a copy of the current state is held while
-  // loading). RNG state goes back last. With automatic naming, the next save_state() writes
+  // loading). RNG state goes back last. A prepared model is not copied: its files are verified
+  // against its parameters and buffers (names, dtypes, shapes, checksums) with the rest, and
+  // read straight into its memory once everything else is restored; only an I/O error or the
+  // files changing in between can fail then, with an error saying that the model may hold part
+  // of the checkpoint. With automatic naming, the next save_state() writes
   // checkpoint_<n + 1>, or after the newest existing checkpoint when the one loaded was older.
   //
   // Several processes: every process calls it; the main process chooses the checkpoint (the

@@ -59,6 +59,25 @@ Container load_file(const std::string& path, Env& env = Env::posix());
 // only for files nothing else writes to.
 Container load_file_mapped(const std::string& path, Env& env = Env::posix());
 
+// Reads a container file into tensors that already exist, such as a model's parameters, in
+// place (optimizers and views keep seeing them). `into` must name exactly the file's tensors,
+// each with the file's dtype and shape; any device and layout (a contiguous CPU tensor is
+// filled straight from the file, any other through a copy). The file is verified in full first
+// (header, every checksum, its size), with no allocation of its size; only then are the bytes
+// read again, from the page cache, into the tensors, whose version counters are bumped as an
+// in-place op would. Returns the file's JSON state.
+// After any failure of the checks (NotFound, Corruption, Incompatible naming every mismatch,
+// InvalidArgument for a name given twice) no tensor of `into` has changed. The second read is
+// checked too, a megabyte at a time against the first: only a file that becomes unreadable
+// (IOError) or changes (Corruption: another process writing into it) between the two reads
+// fails after the tensors began to change, and that error says they may hold part of the file.
+//
+// Example:
+//   torchpoint::NamedTensors params;
+//   for (const auto& p : model->named_parameters()) params.emplace_back(p.key(), p.value());
+//   torchpoint::load_file_into("weights.safetensors", params);
+Json load_file_into(const std::string& path, const NamedTensors& into, Env& env = Env::posix());
+
 // Reads single tensors of a container file without reading the others: the constructor reads
 // and validates the header only; read() reads one tensor's bytes and checks its checksum.
 //

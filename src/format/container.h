@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
@@ -87,6 +88,34 @@ ContainerHeader parse_container_header(std::string_view prefix, std::uint64_t fi
 // load_file(), also returning the header checksum (which the manifest records).
 Container load_container(Env& env, const std::string& path, std::uint64_t* header_checksum,
                          bool allow_foreign = false, bool* verified = nullptr);
+
+// load_file_into()'s two passes, apart, so that a directory load can verify every file before
+// any tensor changes, and copy the files in only once nothing else can fail.
+class FileFill {
+ public:
+  // Opens `path` and checks it against `into`: header, names, dtypes and shapes, then (reading
+  // the whole file once) every checksum and its size. Changes no tensor. A mismatch of names,
+  // dtypes or shapes throws Incompatible naming each, or, with `mismatches`, fills it and
+  // returns with fits() false before reading any data. Other errors as load_file_into().
+  FileFill(Env& env, const std::string& path, const NamedTensors& into,
+           std::vector<std::string>* mismatches = nullptr);
+  ~FileFill();
+  FileFill(FileFill&&) noexcept;
+  FileFill& operator=(FileFill&&) noexcept;
+
+  bool fits() const;
+  const Json& state() const;
+  std::uint64_t header_checksum() const;
+  // The second pass: reads the file again into the tensors (each chunk checked against the
+  // first pass's reading) and bumps their version counters. Only once, and only when fits().
+  // An error here (the file unreadable, or changed since the first pass) says that the
+  // tensors may hold part of the file.
+  void copy();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 // Bytes read at a time by the readers that stream a file's data (verify, extra files).
 inline constexpr std::size_t kReadBufferSize = std::size_t{4} << 20;

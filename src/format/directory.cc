@@ -14,6 +14,7 @@
 
 #include "format/checksum.h"
 #include "format/container.h"
+#include "format/directory_fill.h"
 #include "format/directory_save.h"
 #include "format/manifest.h"
 #include "format/shards.h"
@@ -603,8 +604,9 @@ static Manifest load_manifest(Env& env, const std::string& path, Problems& probl
   return parse_manifest(bytes, manifest_path, problems);
 }
 
-// Loads the container file `f` of the checkpoint `path`, checked against its manifest entry.
-static Container load_listed_file(Env& env, const std::string& path, const ManifestFile& f) {
+// The path of the file `f` of the checkpoint `path`, after the checks that need no read: a
+// regular file, not a link, of the size the manifest lists.
+static std::string checked_listed_file(Env& env, const std::string& path, const ManifestFile& f) {
   std::string file_path = join_path(path, f.name);
   FileInfo info = env.stat(file_path);
   if (info.is_symlink) refuse_link(file_path, path);
@@ -621,14 +623,25 @@ static Container load_listed_file(Env& env, const std::string& path, const Manif
                             "truncated or replaced",
                             file_path, info.size, path, f.size));
   }
-  std::uint64_t header_checksum = 0;
-  Container contents = load_container(env, file_path, &header_checksum);
+  return file_path;
+}
+
+static void check_listed_header(const std::string& file_path, const std::string& path,
+                                const ManifestFile& f, std::uint64_t header_checksum) {
   if (header_checksum != f.header_checksum) {
     throw Error(ErrorCode::Corruption,
                 fmt::format("{} is not the file the manifest of {} lists (header checksum "
                             "differs): it was replaced",
                             file_path, path));
   }
+}
+
+// Loads the container file `f` of the checkpoint `path`, checked against its manifest entry.
+static Container load_listed_file(Env& env, const std::string& path, const ManifestFile& f) {
+  std::string file_path = checked_listed_file(env, path, f);
+  std::uint64_t header_checksum = 0;
+  Container contents = load_container(env, file_path, &header_checksum);
+  check_listed_header(file_path, path, f, header_checksum);
   return contents;
 }
 
@@ -688,6 +701,92 @@ DirectoryCheckpoint load_directory(const std::string& path, Env& env) {
     out.extra_files.push_back(f.name);
   }
   return out;
+}
+
+// True when a component file's JSON state holds no values: only tensors, as a module's.
+static bool tensors_only(const Json& state) {
+  auto values = state.find("values");
+  return values != state.end() && values->is_object() && values->empty();
+}
+
+// Checks `component` (whose first manifest entry is `first`) against `tensors` and adds its
+// files to `out` to be copied in. False, with nothing added, when the component does not
+// consist of exactly those tensors (names, dtypes, shapes) and tensors only: it is then loaded
+// as any other, and whoever restores it says what differs. Throws what load_directory() would
+// for a damaged file.
+static bool fill_component(Env& env, const std::string& path, const Manifest& manifest,
+                           const ManifestFile& first, const NamedTensors& tensors,
+                           DirectoryFill* out) {
+  std::vector<std::string> mismatches;
+  if (first.shards == 0) {
+    std::string file_path = checked_listed_file(env, path, first);
+    FileFill file(env, file_path, tensors, &mismatches);
+    if (!file.fits()) return false;
+    check_listed_header(file_path, path, first, file.header_checksum());
+    if (!tensors_only(file.state())) return false;
+    out->files.push_back(std::move(file));
+    return true;
+  }
+  auto index = std::find_if(
+      manifest.shard_indexes.begin(), manifest.shard_indexes.end(),
+      [&](const ManifestShardIndex& i) { return i.component == first.component; });
+  WeightMap weight_map = read_shard_index(env, path, *index);
+  std::unordered_map<std::string, const std::string*> shard_of;
+  for (const auto& [name, file] : weight_map) shard_of.emplace(name, &file);
+  if (shard_of.size() != tensors.size()) return false;
+  std::map<std::string, NamedTensors> by_shard;
+  for (const auto& [name, tensor] : tensors) {
+    auto found = shard_of.find(name);
+    if (found == shard_of.end()) return false;
+    by_shard[*found->second].emplace_back(name, tensor);
+  }
+  std::vector<FileFill> files;
+  for (const ManifestFile& f : manifest.files) {
+    if (f.component != first.component) continue;
+    std::string file_path = checked_listed_file(env, path, f);
+    FileFill file(env, file_path, by_shard[f.name], &mismatches);
+    if (!file.fits()) return false;  // the shard holds other tensors than its index says
+    check_listed_header(file_path, path, f, file.header_checksum());
+    if (f.shard == f.shards ? !tensors_only(file.state()) : !file.state().empty()) return false;
+    by_shard.erase(f.name);
+    files.push_back(std::move(file));
+  }
+  if (!by_shard.empty()) return false;  // the index names a shard the manifest does not list
+  for (FileFill& file : files) out->files.push_back(std::move(file));
+  return true;
+}
+
+DirectoryFill load_directory_filling(const std::string& path, Env& env,
+                                     const std::map<std::string, NamedTensors>& fill) {
+  Problems throwing;
+  Manifest manifest = load_manifest(env, path, throwing);
+  DirectoryFill out;
+  DirectoryCheckpoint& checkpoint = out.checkpoint;
+  checkpoint.info = manifest.info;
+  checkpoint.torchpoint_version = manifest.torchpoint_version;
+  checkpoint.libtorch_version = manifest.libtorch_version;
+  std::unordered_set<std::string> done;
+  for (const ManifestFile& f : manifest.files) {
+    if (!done.insert(f.component).second) continue;  // a later shard of a component
+    auto wanted = fill.find(f.component);
+    if (wanted != fill.end() && fill_component(env, path, manifest, f, wanted->second, &out)) {
+      out.filled.push_back(f.component);
+      continue;
+    }
+    checkpoint.components.push_back({f.component, f.shards == 0
+                                                      ? load_listed_file(env, path, f)
+                                                      : load_sharded(env, path, manifest,
+                                                                     f.component)});
+  }
+  for (const ManifestExtraFile& f : manifest.extra_files) {
+    check_extra_file(env, path, f);
+    checkpoint.extra_files.push_back(f.name);
+  }
+  return out;
+}
+
+void DirectoryFill::copy() {
+  for (FileFill& file : files) file.copy();
 }
 
 VerifyReport verify_directory(const std::string& path, Env& env) {

@@ -15,6 +15,7 @@
 
 #include "checkpoint/committed.h"
 #include "compat/torch_compat.h"
+#include "format/directory_fill.h"
 #include "format/directory_save.h"
 #include "format/shards.h"
 #include "io/atomic_commit.h"
@@ -633,10 +634,26 @@ LoadStateReport Accelerator::load_state(const std::string& input_dir) {
   for (const auto& hook : load_hooks_) hook(path);
   if (is_accelerate_checkpoint(path, env_)) return load_accelerate_state(path, std::move(report));
 
-  DirectoryCheckpoint checkpoint;
+  // The models' parameters and buffers are read straight into their memory, after everything
+  // else is restored: no copy of a model is made or held (see load_directory_filling).
+  std::vector<std::string> names = component_names();
+  std::map<std::string, NamedTensors> fill;
+  for (std::size_t i = 0, model = 0; i < components_.size(); ++i) {
+    if (components_[i].kind != "model" || model >= models_.size()) continue;
+    const torch::nn::Module& module = *models_[model++];
+    NamedTensors& tensors = fill[names[i]];
+    for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+      tensors.emplace_back(item.key(), item.value());
+    }
+    for (const auto& item : module.named_buffers(/*recurse=*/true)) {
+      tensors.emplace_back(item.key(), item.value());
+    }
+  }
+  DirectoryFill loaded;
+  DirectoryCheckpoint& checkpoint = loaded.checkpoint;
   std::exception_ptr failure;
   try {
-    checkpoint = load_directory(path, env_);
+    loaded = load_directory_filling(path, env_, fill);
   } catch (const std::exception&) {
     if (!group_) throw;
     failure = std::current_exception();
@@ -651,7 +668,6 @@ LoadStateReport Accelerator::load_state(const std::string& input_dir) {
       saved_world = meta["accelerator"]["world_size"].get<int>();
     }
   }
-  std::vector<std::string> names = component_names();
   std::size_t saved_custom = 0, registered_custom = 0;
   for (const auto& c : checkpoint.components) {
     if (c.name.starts_with(kCustomPrefix)) ++saved_custom;
@@ -672,6 +688,7 @@ LoadStateReport Accelerator::load_state(const std::string& input_dir) {
   const std::string rng_file = random_states_name(own_rng ? rank : 0);
   StatefulSet set;
   for (std::size_t i = 0; i < components_.size(); ++i) set.add(names[i], components_[i].object);
+  for (const std::string& name : loaded.filled) set.allow_missing(name);
   // Everything else may draw random numbers while loading; the restored streams must not move.
   set.add(rng_file, AnyStateful::ref(rng_), /*restore_last=*/true);
   StateDict all;
@@ -688,6 +705,9 @@ LoadStateReport Accelerator::load_state(const std::string& input_dir) {
     all.set_child(c.name, StateDict::from_container(c.contents));
   }
   RestoreReport restored = set.restore(all);
+  // Last, when nothing else can fail: only an I/O error, or the files changing since they were
+  // verified, can stop it, and its error says the model may hold part of the checkpoint.
+  loaded.copy();
   if (!own_rng) {
     std::uint64_t seed =
         at::detail::getDefaultCPUGenerator().current_seed() + static_cast<std::uint64_t>(rank);
@@ -741,7 +761,14 @@ LoadStateReport Accelerator::load_state(const std::string& input_dir) {
   resumed_from_ = path;
   report.path = path;
   last_checkpoint_ = path;
-  report.components = restored.restored;
+  for (const std::string& name : names) {
+    if (std::find(loaded.filled.begin(), loaded.filled.end(), name) != loaded.filled.end() ||
+        std::find(restored.restored.begin(), restored.restored.end(), name) !=
+            restored.restored.end()) {
+      report.components.push_back(name);
+    }
+  }
+  report.components.push_back(rng_file);
   report.step = step_;
   report.libtorch_version = checkpoint.libtorch_version;
   if (!checkpoint.libtorch_version.empty() &&

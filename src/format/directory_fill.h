@@ -1,0 +1,33 @@
+// Loading a directory checkpoint with some components read straight into tensors that already
+// exist (a model's parameters and buffers), verified with the rest before any of them changes.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "format/container.h"
+#include "torchpoint/checkpoint_dir.h"
+
+namespace torchpoint {
+
+struct DirectoryFill {
+  // The components not filled in place, as load_directory() returns them.
+  DirectoryCheckpoint checkpoint;
+  // The components filled in place, in the manifest's order: verified, not yet copied.
+  std::vector<std::string> filled;
+  std::vector<FileFill> files;
+
+  // Copies every filled component's files into its tensors. Call once, when nothing else can
+  // fail: its errors (see FileFill::copy) say that the tensors may hold part of the files.
+  void copy();
+};
+
+// load_directory() of `path`, except that each component named in `fill` whose files hold
+// exactly those tensors (names, dtypes and shapes) and no other values is only verified, to be
+// copied in by DirectoryFill::copy(). A component that does not fit is loaded as usual, so that
+// whoever restores it reports what differs. Every check and error is load_directory()'s.
+DirectoryFill load_directory_filling(const std::string& path, Env& env,
+                                     const std::map<std::string, NamedTensors>& fill);
+
+}  // namespace torchpoint

@@ -1,0 +1,239 @@
+// load_file_into(): a container file read into tensors that already exist. Every failure of a
+// check leaves them as they were; a success fills them bit for bit, in place.
+#include "format/container.h"
+#include "testing/fault_env.h"
+#include "testing/test_util.h"
+#include "torchpoint/error.h"
+#include "torchpoint/tensor_file.h"
+
+namespace torchpoint {
+namespace {
+
+using testing::bitwise_equal;
+using testing::expect_error;
+using testing::make_tensor;
+using testing::TempDir;
+
+// Small tensors of every dtype and shape (gathered through one buffer), a 12 MiB one (read
+// straight into its memory, the file large enough for two threads) and 3,000 4-byte ones.
+Container varied_container() {
+  Container c;
+  std::uint64_t seed = 1;
+  for (c10::ScalarType dtype : {at::kBool, at::kByte, at::kShort, at::kInt, at::kLong, at::kHalf,
+                                at::kBFloat16, at::kFloat, at::kDouble}) {
+    for (std::vector<std::int64_t> shape :
+         std::vector<std::vector<std::int64_t>>{{}, {0}, {0, 3}, {7}, {3, 5}, {2, 3, 4}}) {
+      c.tensors.emplace_back(fmt::format("{}.{}", c10::toString(dtype), seed),
+                             make_tensor(dtype, shape, seed));
+      ++seed;
+    }
+  }
+  c.tensors.emplace_back("big", make_tensor(at::kFloat, {3, 1024, 1024}, seed++));
+  for (int i = 0; i < 3000; ++i) {
+    c.tensors.emplace_back(fmt::format("small.{}", i), make_tensor(at::kInt, {1}, seed++));
+  }
+  c.tensors.emplace_back("last", make_tensor(at::kDouble, {40000}, seed++));  // 312 KiB
+  c.state = {{"epoch", 4}, {"note", "in place"}};
+  return c;
+}
+
+// Tensors shaped like `c`'s, filled with `value`.
+NamedTensors targets_like(const Container& c, double value = 0) {
+  NamedTensors out;
+  for (const auto& [name, t] : c.tensors) out.emplace_back(name, at::full_like(t, value));
+  return out;
+}
+
+NamedTensors clone_all(const NamedTensors& tensors) {
+  NamedTensors out;
+  for (const auto& [name, t] : tensors) out.emplace_back(name, t.clone());
+  return out;
+}
+
+void expect_unchanged(const NamedTensors& now, const NamedTensors& before) {
+  ASSERT_EQ(now.size(), before.size());
+  for (std::size_t i = 0; i < now.size(); ++i) {
+    ASSERT_TRUE(bitwise_equal(now[i].second, before[i].second))
+        << now[i].first << " changed although the load failed";
+  }
+}
+
+TEST(LoadInto, FillsExistingTensorsInPlaceBitForBit) {
+  TempDir dir;
+  Container c = varied_container();
+  save_file(dir / "c.safetensors", c);
+  NamedTensors into = targets_like(c, 1);
+  std::vector<const void*> memory;
+  std::vector<std::uint32_t> versions;
+  for (const auto& [name, t] : into) {
+    memory.push_back(t.data_ptr());
+    versions.push_back(t._version());
+  }
+  // In another order than the file's: matched by name.
+  std::reverse(into.begin(), into.end());
+  std::reverse(memory.begin(), memory.end());
+  std::reverse(versions.begin(), versions.end());
+  Json state = load_file_into(dir / "c.safetensors", into);
+  EXPECT_EQ(state, c.state);
+  for (std::size_t i = 0; i < into.size(); ++i) {
+    const auto& [name, t] = into[i];
+    const at::Tensor& saved = c.tensors[c.tensors.size() - 1 - i].second;
+    ASSERT_EQ(name, c.tensors[c.tensors.size() - 1 - i].first);
+    EXPECT_TRUE(bitwise_equal(t, saved)) << name;
+    EXPECT_EQ(t.data_ptr(), memory[i]) << name << " was replaced, not filled";
+    EXPECT_GT(t._version(), versions[i]) << name << ": its version counter was not bumped";
+  }
+}
+
+TEST(LoadInto, FillsAModelsParametersSoItsOptimizerSeesThem) {
+  TempDir dir;
+  torch::manual_seed(3);
+  torch::nn::Linear saved_model(64, 32), model(64, 32);
+  NamedTensors saved, params;
+  for (const auto& p : saved_model->named_parameters()) saved.emplace_back(p.key(), p.value());
+  for (const auto& p : model->named_parameters()) params.emplace_back(p.key(), p.value());
+  save_file(dir / "m.safetensors", {saved});
+  torch::optim::SGD sgd(model->parameters(), 0.1);
+  load_file_into(dir / "m.safetensors", params);
+  EXPECT_TRUE(bitwise_equal(model->weight, saved_model->weight));
+  EXPECT_TRUE(bitwise_equal(model->bias, saved_model->bias));
+  EXPECT_TRUE(model->weight.requires_grad());
+  // The optimizer holds the same tensors, so it steps from the loaded values.
+  EXPECT_EQ(sgd.param_groups()[0].params()[0].data_ptr(), model->weight.data_ptr());
+}
+
+TEST(LoadInto, FillsNonContiguousTargetsThroughACopy) {
+  TempDir dir;
+  at::Tensor w = make_tensor(at::kFloat, {6, 8}, 1);
+  save_file(dir / "w.safetensors", {{{"w", w}}});
+  at::Tensor base = at::zeros({8, 6});
+  NamedTensors into = {{"w", base.t()}};  // a transposed view: not contiguous
+  load_file_into(dir / "w.safetensors", into);
+  EXPECT_TRUE(into[0].second.equal(w));
+  EXPECT_TRUE(base.t().equal(w)) << "the view's base was not written";
+}
+
+TEST(LoadInto, CorruptDataAnywhereChangesNothing) {
+  TempDir dir;
+  Container c = varied_container();
+  const std::string path = dir / "c.safetensors";
+  save_file(path, c);
+  const std::string good = testing::read_bytes(path);
+  const std::uint64_t size = good.size();
+  // A byte of the first data, of the big tensor's middle, of the small ones, and the last.
+  std::uint64_t data_start = 0;
+  for (int i = 7; i >= 0; --i) data_start = (data_start << 8) | static_cast<std::uint8_t>(good[i]);
+  data_start += 8;
+  for (std::uint64_t offset : {data_start, data_start + (size - data_start) / 3,
+                               size - 320 * 1024 - 100, size - 1}) {
+    SCOPED_TRACE(offset);
+    testing::write_bytes(path, good);
+    testing::flip_bit(path, offset, 3);
+    NamedTensors into = targets_like(c, 7);
+    NamedTensors before = clone_all(into);
+    expect_error([&] { load_file_into(path, into); }, ErrorCode::Corruption,
+                 {path, "fails its checksum", "nothing was loaded"});
+    expect_unchanged(into, before);
+  }
+}
+
+TEST(LoadInto, ATruncatedOrDamagedFileChangesNothing) {
+  TempDir dir;
+  Container c = varied_container();
+  const std::string path = dir / "c.safetensors";
+  save_file(path, c);
+  const std::string good = testing::read_bytes(path);
+  NamedTensors into = targets_like(c, 2);
+  NamedTensors before = clone_all(into);
+  testing::truncate_to(path, good.size() - 5);
+  expect_error([&] { load_file_into(path, into); }, ErrorCode::Corruption, {path, "truncated"});
+  expect_unchanged(into, before);
+  testing::write_bytes(path, good);
+  testing::flip_bit(path, 20, 0);  // in the header
+  expect_error([&] { load_file_into(path, into); }, ErrorCode::Corruption, {path, "header"});
+  expect_unchanged(into, before);
+  expect_error([&] { load_file_into(dir / "absent.safetensors", into); }, ErrorCode::NotFound);
+  expect_unchanged(into, before);
+}
+
+TEST(LoadInto, EveryMismatchIsNamedAndNothingChanges) {
+  TempDir dir;
+  save_file(dir / "m.safetensors", {{{"a", at::ones({2, 3})},
+                                     {"b", at::ones({4}, at::kInt)},
+                                     {"c", at::ones({5})},
+                                     {"d", at::ones({1})}}});
+  NamedTensors into = {{"a", at::zeros({3, 2})},            // shape differs
+                       {"b", at::zeros({4}, at::kLong)},    // dtype differs
+                       {"c", at::zeros({5})},               // fits
+                       {"e", at::zeros({1})}};              // not in the file; "d" not here
+  NamedTensors before = clone_all(into);
+  expect_error([&] { load_file_into(dir / "m.safetensors", into); }, ErrorCode::Incompatible,
+               {"nothing was loaded", "size mismatch for 'a': file [2, 3], tensor [3, 2]",
+                "dtype mismatch for 'b': file Int, tensor Long",
+                "'d' is in the file but not among the tensors to fill", "'e' is not in the file"});
+  expect_unchanged(into, before);
+  NamedTensors twice = {{"c", at::zeros({5})}, {"c", at::zeros({5})}};
+  expect_error([&] { load_file_into(dir / "m.safetensors", twice); }, ErrorCode::InvalidArgument,
+               {"'c' is named twice"});
+}
+
+// Fails each read of a load in turn (both passes, both threads): a failure before the copy
+// began changes nothing, and one during the copy says that the tensors may hold part of it.
+TEST(LoadInto, EveryReadFailingInTurnChangesNothingOrSaysSo) {
+  TempDir dir;
+  Container c = varied_container();
+  const std::string path = dir / "c.safetensors";
+  save_file(path, c);
+  testing::FaultEnv env;
+  int failed_before_copy = 0, failed_during_copy = 0;
+  for (std::uint64_t n = 1;; ++n) {
+    SCOPED_TRACE(n);
+    ASSERT_LT(n, 500u) << "the load never succeeded";
+    NamedTensors into = targets_like(c, 5);
+    NamedTensors before = clone_all(into);
+    env.clear_faults();
+    env.fail_nth({testing::Op::Read, testing::Op::Open}, n, EIO);
+    try {
+      load_file_into(path, into, env);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::IOError) << e.what();
+      if (std::string(e.what()).find("may hold part of it") != std::string::npos) {
+        ++failed_during_copy;
+      } else {
+        expect_unchanged(into, before);
+        ++failed_before_copy;
+      }
+      continue;
+    }
+    for (std::size_t i = 0; i < into.size(); ++i) {
+      ASSERT_TRUE(bitwise_equal(into[i].second, c.tensors[i].second)) << into[i].first;
+    }
+    break;
+  }
+  env.clear_faults();
+  EXPECT_GT(failed_before_copy, 10);  // the header, the second file and 12+ chunks
+  EXPECT_GT(failed_during_copy, 1);   // at least one read of each half
+}
+
+// The second read is checked against the first: a file changed in between (another process
+// writing into it) is an error that says the tensors may hold part of it, never a silent load.
+TEST(LoadInto, AFileChangedBetweenTheTwoReadsIsCaught) {
+  TempDir dir;
+  Container c = varied_container();
+  const std::string path = dir / "c.safetensors";
+  save_file(path, c);
+  const std::uint64_t size = testing::file_size(path);
+  for (std::uint64_t offset : {size / 2, size - 1}) {  // in the big tensor; in the last one
+    SCOPED_TRACE(offset);
+    save_file(path, c);
+    NamedTensors into = targets_like(c);
+    FileFill fill(Env::posix(), path, into);
+    ASSERT_TRUE(fill.fits());
+    testing::flip_bit(path, offset, 5);
+    expect_error([&] { fill.copy(); }, ErrorCode::Corruption,
+                 {path, "differ from what was verified", "may hold part of it"});
+  }
+}
+
+}  // namespace
+}  // namespace torchpoint
