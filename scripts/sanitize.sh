@@ -15,7 +15,7 @@ fuzz_seconds=${FUZZ_SECONDS:-60}
 # llvm-symbolizer (readable reports) in llvm-14.
 packages=(
   clang libclang-rt-14-dev llvm-14 cmake ninja-build python3 python3-venv
-  libtorch-dev nlohmann-json3-dev libxxhash-dev libfmt-dev libcli11-dev libcairo2-dev pkgconf libboost-dev
+  libtorch-dev nlohmann-json3-dev libxxhash-dev libsimdjson-dev libfmt-dev libcli11-dev libcairo2-dev pkgconf libboost-dev
   libgloo-dev
   googletest libgtest-dev
 )

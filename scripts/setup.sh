@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 
 packages=(
   g++ cmake ninja-build ccache python3 python3-venv
-  nlohmann-json3-dev libxxhash-dev libfmt-dev libcli11-dev libcairo2-dev pkgconf libboost-dev
+  nlohmann-json3-dev libxxhash-dev libsimdjson-dev libfmt-dev libcli11-dev libcairo2-dev pkgconf libboost-dev
   libgloo-dev
   googletest libgtest-dev libbenchmark-dev
 )

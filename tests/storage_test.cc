@@ -545,6 +545,70 @@ TEST(BadInput, FutureMajorVersionIsIncompatibleAndNamesBothVersions) {
   EXPECT_NE(std::string(e.what()).find("1.0"), std::string::npos) << e.what();
 }
 
+// Replaces the header JSON of a container's bytes with `text` (the data keeps its place
+// relative to the header's end) and reseals its checksum.
+void rewrite_header(std::string& bytes, const std::string& text) {
+  std::uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<std::uint8_t>(bytes[i]);
+  bytes.replace(8, n, text);
+  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((text.size() >> (8 * i)) & 0xff);
+  reseal_header(bytes);
+}
+
+std::string header_text(const std::string& bytes) {
+  std::uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<std::uint8_t>(bytes[i]);
+  return bytes.substr(8, n);
+}
+
+// Headers are read by a fast reader (simdjson) that takes only what torchpoint writes and
+// leaves anything else to the full reader (nlohmann). Odd but valid JSON, sealed with a good
+// checksum, is judged as it always was: here a duplicate key, text after the root object and a
+// tensor named twice.
+TEST(BadInput, OddHeadersAreJudgedAsBefore) {
+  TempDir dir;
+  std::string path = dir / "odd.safetensors";
+  save_file(path, {{{"aa", at::ones({2})}, {"bb", at::full({3}, 2.0)}}});
+  const std::string good = testing::read_bytes(path);
+  const std::string text = header_text(good);
+  {
+    // "dtype" twice in one entry: JSON readers keep the last, so the file still loads.
+    std::string bytes = good;
+    std::size_t at = text.find("\"dtype\":\"F32\"");
+    ASSERT_NE(at, std::string::npos) << text;
+    std::string edited = text;
+    edited.insert(at, "\"dtype\":\"I64\",");
+    rewrite_header(bytes, edited);
+    testing::write_bytes(path, bytes);
+    Container back = load_file(path);
+    ASSERT_EQ(back.tensors.size(), 2u);
+    EXPECT_TRUE(back.tensors[1].second.equal(at::full({3}, 2.0)));
+    EXPECT_TRUE(verify(path).ok());
+  }
+  {
+    // A complete JSON object before the real one: not one JSON value.
+    std::string bytes = good;
+    rewrite_header(bytes, "{\"x\":1} " + text);
+    testing::write_bytes(path, bytes);
+    expect_error([&] { load_file(path); }, ErrorCode::Corruption,
+                 {"not valid JSON", "syntax error at byte"});
+    EXPECT_FALSE(verify(path).ok());
+  }
+  {
+    // "bb" renamed "aa": the reader keeps the last, whose bytes leave a hole where the first
+    // one's were.
+    std::string bytes = good;
+    std::string edited = text;
+    std::size_t at = edited.find("\"bb\":{");
+    ASSERT_NE(at, std::string::npos) << text;
+    edited.replace(at, 4, "\"aa\"");
+    rewrite_header(bytes, edited);
+    testing::write_bytes(path, bytes);
+    expect_error([&] { load_file(path); }, ErrorCode::Corruption, {"a hole"});
+    EXPECT_FALSE(verify(path).ok());
+  }
+}
+
 TEST(BadInput, UnsupportedDtypesAreRefusedOnSaveAndLoad) {
   TempDir dir;
   Error e = expect_error(

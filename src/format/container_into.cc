@@ -17,6 +17,7 @@
 #include <exception>
 #include <mutex>
 #include <thread>
+#include <string_view>
 #include <unordered_map>
 
 #include "format/checksum.h"
@@ -235,7 +236,7 @@ FileFill::FileFill(Env& env, const std::string& path, const NamedTensors& into,
   m.header = read_container_header(*m.file, path, throwing);
 
   // Every name, dtype and shape first: a mismatch is found before any data is read.
-  std::unordered_map<std::string, const at::Tensor*> by_name;
+  std::unordered_map<std::string_view, const at::Tensor*> by_name;  // names live in `into`
   for (const auto& [name, tensor] : into) {
     if (!by_name.emplace(name, &tensor).second) {
       throw Error(ErrorCode::InvalidArgument,
