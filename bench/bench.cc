@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "format/checksum.h"
+#include "format/container.h"
 #include "io/huge_pages.h"
 #include "s2_model.h"
 #include "torchpoint/accelerator.h"
@@ -571,7 +572,10 @@ class Bench {
   void measure_memory(const State& s, Results& r) {
     std::string file = path(s, kTorchpoint);
     prepare_save(s, file);
-    malloc_trim(0);  // memory freed by earlier cases would otherwise hide new allocations
+    // Memory freed by earlier cases would otherwise hide new allocations: the chunk buffers
+    // that saves keep for the next save count as this save's.
+    torchpoint::release_chunk_buffers();
+    malloc_trim(0);
     {
       PeakMemory peak;
       save_torchpoint(s, file);
@@ -761,6 +765,7 @@ AsyncCase run_async_case(const State& s, const Options& options, const std::stri
   };
 
   // Peak memory of a first asynchronous save, staging allocation included; untimed.
+  torchpoint::release_chunk_buffers();
   malloc_trim(0);
   {
     torchpoint::AsyncCheckpointer fresh;

@@ -75,6 +75,10 @@ struct WrittenFile {
 WrittenFile write_container(Env& env, const std::string& path, const Container& contents,
                             bool hugging_face_format = false);
 
+// Frees the chunk buffers that write_container keeps from one file to the next (at most 64
+// MiB: they spare the kernel zeroing new memory at every save). For measurements of memory.
+void release_chunk_buffers();
+
 // Parses and validates the header of a container of `file_size` bytes whose first bytes are
 // `prefix` (at least 8 + header length of them). Every rule that does not need the data is
 // checked. With a throwing Problems the first problem throws; a collecting one returns what
