@@ -1,6 +1,7 @@
 // load_file_into(): a container file read into tensors that already exist. Every failure of a
 // check leaves them as they were; a success fills them bit for bit, in place.
 #include "format/container.h"
+#include "format/json_depth.h"
 #include "testing/fault_env.h"
 #include "testing/test_util.h"
 #include "torchpoint/error.h"
@@ -175,6 +176,35 @@ TEST(LoadInto, EveryMismatchIsNamedAndNothingChanges) {
   NamedTensors twice = {{"c", at::zeros({5})}, {"c", at::zeros({5})}};
   expect_error([&] { load_file_into(dir / "m.safetensors", twice); }, ErrorCode::InvalidArgument,
                {"'c' is named twice"});
+  // Every name of the file in its own order, then one of them again: each matches where it
+  // stands, and the name given twice is still refused.
+  NamedTensors in_order_then_again = {{"a", at::zeros({2, 3})},      {"b", at::zeros({4}, at::kInt)},
+                                      {"c", at::zeros({5})},         {"d", at::zeros({1})},
+                                      {"b", at::zeros({4}, at::kInt)}};
+  NamedTensors before_again = clone_all(in_order_then_again);
+  expect_error([&] { load_file_into(dir / "m.safetensors", in_order_then_again); },
+               ErrorCode::InvalidArgument, {"'b' is named twice"});
+  expect_unchanged(in_order_then_again, before_again);
+}
+
+// The bound on nesting every reader applies before parsing JSON: brackets count only outside
+// strings, and an escaped quote does not end a string.
+TEST(JsonDepth, CountsBracketsOutsideStringsOnly) {
+  auto nested = [](int depth) { return std::string(depth, '[') + std::string(depth, ']'); };
+  EXPECT_TRUE(json_depth_within(nested(kMaxJsonDepth)));
+  EXPECT_FALSE(json_depth_within(nested(kMaxJsonDepth + 1)));
+  EXPECT_TRUE(json_depth_within(R"({"a":[{"b":[]}]})", 4));
+  EXPECT_FALSE(json_depth_within(R"({"a":[{"b":[]}]})", 3));
+  // Brackets in strings, escaped quotes and backslashes in them.
+  EXPECT_TRUE(json_depth_within(R"(["[[[[", "\"[[[", "\\", "{{"])", 1));
+  EXPECT_FALSE(json_depth_within(R"(["\\"[[])", 2));  // the string ends after \\: [[ count
+  EXPECT_TRUE(json_depth_within(R"(["\"[[]"])", 1));   // \" does not end it: [[ are inside
+  // A string left open, a backslash at the very end, closers without openers.
+  EXPECT_TRUE(json_depth_within(R"(["[[[)", 1));
+  EXPECT_TRUE(json_depth_within(R"(["\)", 1));
+  EXPECT_TRUE(json_depth_within("]]]}}[", 1));
+  EXPECT_FALSE(json_depth_within("]][[", 1));
+  EXPECT_TRUE(json_depth_within(""));
 }
 
 // Fails each read of a load in turn (both passes, both threads): a failure before the copy

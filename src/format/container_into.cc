@@ -15,6 +15,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <string_view>
@@ -44,7 +45,7 @@ class ChunkReader {
  public:
   ChunkReader(File& file, std::uint64_t begin, std::uint64_t end, bool threaded)
       : file_(file), begin_(begin), end_(end), buffers_(threaded ? kChunks : 1) {
-    for (auto& b : buffers_) b.resize(kChunk);
+    for (auto& b : buffers_) b = std::make_unique_for_overwrite<char[]>(kChunk);  // not zeroed
     if (threaded) thread_ = std::thread([this] { run(); });
   }
   ~ChunkReader() { stop(); }
@@ -55,9 +56,9 @@ class ChunkReader {
       std::uint64_t at = begin_ + consumed_ * kChunk;
       if (at >= end_) return {};
       std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(kChunk, end_ - at));
-      file_.read_exact(buffers_[0].data(), n, at);
+      file_.read_exact(buffers_[0].get(), n, at);
       ++consumed_;
-      return {buffers_[0].data(), n};
+      return {buffers_[0].get(), n};
     }
     std::unique_lock<std::mutex> lock(mutex_);
     if (consumed_ > 0) {  // the previous chunk's buffer is free again
@@ -72,7 +73,7 @@ class ChunkReader {
     std::uint64_t k = consumed_++;
     std::uint64_t at = begin_ + k * kChunk;
     std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(kChunk, end_ - at));
-    return {buffers_[k % buffers_.size()].data(), n};
+    return {buffers_[k % buffers_.size()].get(), n};
   }
 
   void stop() {
@@ -97,7 +98,7 @@ class ChunkReader {
           if (stopping_) break;
         }
         std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(kChunk, end_ - at));
-        file_.read_exact(buffers_[k % buffers_.size()].data(), n, at);
+        file_.read_exact(buffers_[k % buffers_.size()].get(), n, at);
         std::lock_guard<std::mutex> lock(mutex_);
         ++produced_;
         changed_.notify_all();
@@ -113,7 +114,7 @@ class ChunkReader {
 
   File& file_;
   const std::uint64_t begin_, end_;
-  std::vector<std::vector<char>> buffers_;
+  std::vector<std::unique_ptr<char[]>> buffers_;
   std::thread thread_;
   std::mutex mutex_;
   std::condition_variable changed_;
@@ -180,7 +181,7 @@ void copy_chunks(File& file, const ContainerHeader& header, const std::vector<ch
       std::upper_bound(entries.begin(), entries.end(), std::uint64_t{first} * kChunk,
                        [](std::uint64_t v, const TensorEntry& e) { return v < e.end; }) -
       entries.begin());
-  std::vector<char> buffer;
+  std::unique_ptr<char[]> buffer;
   for (std::size_t k = first; k < last; ++k) {
     const std::uint64_t lo = std::uint64_t{k} * kChunk;
     const std::uint64_t hi = std::min<std::uint64_t>(lo + kChunk, total);
@@ -191,14 +192,14 @@ void copy_chunks(File& file, const ContainerHeader& header, const std::vector<ch
       file.read_exact(to, hi - lo, header.data_start + lo);
       actual = xxh3(to, hi - lo);
     } else {
-      if (buffer.empty()) buffer.resize(kChunk);
-      file.read_exact(buffer.data(), hi - lo, header.data_start + lo);
-      actual = xxh3(buffer.data(), hi - lo);
+      if (!buffer) buffer = std::make_unique_for_overwrite<char[]>(kChunk);
+      file.read_exact(buffer.get(), hi - lo, header.data_start + lo);
+      actual = xxh3(buffer.get(), hi - lo);
       for (std::size_t j = i; j < entries.size() && entries[j].begin < hi; ++j) {
         std::uint64_t from = std::max(entries[j].begin, lo);
         std::uint64_t to = std::min(entries[j].end, hi);
         if (to > from) {
-          std::memcpy(dest[j] + (from - entries[j].begin), buffer.data() + (from - lo), to - from);
+          std::memcpy(dest[j] + (from - entries[j].begin), buffer.get() + (from - lo), to - from);
         }
       }
     }
@@ -235,24 +236,41 @@ FileFill::FileFill(Env& env, const std::string& path, const NamedTensors& into,
   Problems throwing;
   m.header = read_container_header(*m.file, path, throwing);
 
-  // Every name, dtype and shape first: a mismatch is found before any data is read.
-  std::unordered_map<std::string_view, const at::Tensor*> by_name;  // names live in `into`
-  for (const auto& [name, tensor] : into) {
-    if (!by_name.emplace(name, &tensor).second) {
-      throw Error(ErrorCode::InvalidArgument,
-                  fmt::format("loading {} into tensors: the tensor '{}' is named twice", path, name));
+  // Every name, dtype and shape first: a mismatch is found before any data is read. A model's
+  // tensors usually come in the file's order: the one after the last match is tried first, and
+  // the map by name is built only when that fails (it also finds a name given twice).
+  std::unordered_map<std::string_view, std::size_t> by_name;  // names live in `into`
+  auto build_by_name = [&] {
+    if (!by_name.empty() || into.empty()) return;
+    by_name.reserve(into.size());
+    for (std::size_t j = 0; j < into.size(); ++j) {
+      if (!by_name.emplace(into[j].first, j).second) {
+        throw Error(ErrorCode::InvalidArgument,
+                    fmt::format("loading {} into tensors: the tensor '{}' is named twice", path,
+                                into[j].first));
+      }
     }
-  }
+  };
+  std::vector<bool> matched(into.size(), false);
+  std::size_t next = 0;
   std::vector<std::string> problems;
   m.targets.resize(m.header.entries.size());
   for (std::size_t k = 0; k < m.header.entries.size(); ++k) {
     const TensorEntry& e = m.header.entries[k];
-    auto found = by_name.find(e.name);
-    if (found == by_name.end()) {
-      problems.push_back(fmt::format("'{}' is in the file but not among the tensors to fill", e.name));
-      continue;
+    std::size_t j = next;
+    if (j >= into.size() || matched[j] || into[j].first != e.name) {
+      build_by_name();
+      auto found = by_name.find(e.name);
+      if (found == by_name.end()) {
+        problems.push_back(
+            fmt::format("'{}' is in the file but not among the tensors to fill", e.name));
+        continue;
+      }
+      j = found->second;
     }
-    const at::Tensor& t = *found->second;
+    next = j + 1;
+    matched[j] = true;
+    const at::Tensor& t = into[j].second;
     if (!t.defined()) {
       problems.push_back(fmt::format("'{}' is an undefined tensor", e.name));
     } else if (t.scalar_type() != e.dtype.type) {
@@ -263,10 +281,12 @@ FileFill::FileFill(Env& env, const std::string& path, const NamedTensors& into,
                                      shape_text(e.shape), shape_text(t.sizes())));
     }
     m.targets[k] = t;
-    by_name.erase(found);
   }
-  for (const auto& [name, tensor] : into) {
-    if (by_name.count(name)) problems.push_back(fmt::format("'{}' is not in the file", name));
+  if (std::find(matched.begin(), matched.end(), false) != matched.end()) {
+    build_by_name();  // a name given twice is the first problem to report
+    for (std::size_t j = 0; j < into.size(); ++j) {
+      if (!matched[j]) problems.push_back(fmt::format("'{}' is not in the file", into[j].first));
+    }
   }
   if (!problems.empty()) {
     if (mismatches != nullptr) {

@@ -61,7 +61,7 @@ std::optional<std::uint64_t> as_u64(const nlohmann::json& v) {
 
 // Makes a tensor entry of the header's fields, checked; returns false (after reporting) when
 // it is unusable.
-bool make_entry(const std::string& name, const std::string& dtype_name,
+bool make_entry(std::string name, const std::string& dtype_name,
                 const std::vector<std::uint64_t>& dims, std::uint64_t begin, std::uint64_t end,
                 const std::string& path, Problems& problems, TensorEntry* out) {
   auto bad = [&](const std::string& why) {
@@ -98,7 +98,7 @@ bool make_entry(const std::string& name, const std::string& dtype_name,
                            bytes ? std::to_string(*bytes) : std::string("too many"), begin, end,
                            end - begin));
   }
-  *out = TensorEntry{name, *dtype, std::move(shape), begin, end, 0};
+  *out = TensorEntry{std::move(name), *dtype, std::move(shape), begin, end, 0};
   return true;
 }
 
@@ -252,7 +252,7 @@ bool fast_u64_array(sj::value value, std::vector<std::uint64_t>* out, std::size_
   return true;
 }
 
-bool fast_entry(const std::string& name, sj::value value, const std::string& path,
+bool fast_entry(std::string name, sj::value value, const std::string& path,
                 TensorEntry* out) {
   sj::object object;
   if (value.get_object().get(object)) return false;
@@ -279,7 +279,7 @@ bool fast_entry(const std::string& name, sj::value value, const std::string& pat
   if (!has_dtype || !has_shape || offsets.size() != 2) return false;
   std::vector<std::string> problems;
   Problems collect(&problems);
-  return make_entry(name, dtype, dims, offsets[0], offsets[1], path, collect, out);
+  return make_entry(std::move(name), dtype, dims, offsets[0], offsets[1], path, collect, out);
 }
 
 // True when `doc` (over `padded`) is one value followed by nothing but JSON whitespace, as
@@ -305,6 +305,8 @@ bool fast_header(std::string_view text, const std::string& path, FastHeader* out
   }
   // The unescaped keys stay in the parser's buffer while it lives.
   std::unordered_set<std::string_view> names;
+  // An entry takes 60 bytes or more; a hostile header's size reserves no more than 1M names.
+  names.reserve(std::min<std::size_t>(text.size() / 60, std::size_t{1} << 20));
   for (auto item : root) {
     sj::field field;
     std::string_view key;
@@ -351,8 +353,22 @@ bool fast_torchpoint_metadata(const std::string& meta_text, ContainerHeader* hea
   std::optional<Json> state;
   std::vector<std::pair<std::size_t, std::uint64_t>> sums;  // entry, checksum
   bool has_tensors = false;
+  // The entry of each listed name: torchpoint lists them in data order, so the entry after
+  // the last one found is tried first; the map is built only for a file listed otherwise.
+  const std::vector<TensorEntry>& entries = header->entries;
   std::unordered_map<std::string_view, std::size_t> index;
-  for (std::size_t i = 0; i < header->entries.size(); ++i) index[header->entries[i].name] = i;
+  std::size_t next = 0;
+  auto find_entry = [&](std::string_view name) -> std::optional<std::size_t> {
+    if (next < entries.size() && entries[next].name == name) return next++;
+    if (index.empty()) {
+      index.reserve(entries.size());
+      for (std::size_t i = 0; i < entries.size(); ++i) index.emplace(entries[i].name, i);
+    }
+    auto found = index.find(name);
+    if (found == index.end()) return std::nullopt;
+    next = found->second + 1;
+    return found->second;
+  };
   std::vector<bool> listed(header->entries.size(), false);
   for (auto item : meta) {
     sj::field field;
@@ -388,11 +404,11 @@ bool fast_torchpoint_metadata(const std::string& meta_text, ContainerHeader* hea
           ++n;
         }
         if (n != 2) return false;
-        auto found = index.find(parts[0]);
+        std::optional<std::size_t> found = find_entry(parts[0]);
         auto sum = parse_checksum_hex(parts[1]);
-        if (found == index.end() || listed[found->second] || !sum) return false;
-        listed[found->second] = true;
-        sums.emplace_back(found->second, *sum);
+        if (!found || listed[*found] || !sum) return false;
+        listed[*found] = true;
+        sums.emplace_back(*found, *sum);
       }
     }
   }
@@ -461,9 +477,16 @@ ContainerHeader parse_container_header(std::string_view prefix, std::uint64_t fi
   } else {
     std::size_t digits_at = last + 1 - tail + key.size();
     auto claimed = parse_checksum_hex(text.substr(digits_at, kChecksumHexLength));
-    std::string copy(prefix.substr(0, 8 + n));
-    std::memset(copy.data() + 8 + digits_at, '0', kChecksumHexLength);
-    std::uint64_t actual = xxh3(copy.data(), copy.size());
+    // The checksum covers the header with its own digits as zeros: hashed in three pieces
+    // rather than through a copy of a header that may be megabytes long.
+    static constexpr char kZeros[] = "0000000000000000";
+    static_assert(sizeof(kZeros) == kChecksumHexLength + 1);
+    Xxh3Stream stream;
+    stream.update(prefix.data(), 8 + digits_at);
+    stream.update(kZeros, kChecksumHexLength);
+    const std::size_t after = 8 + digits_at + kChecksumHexLength;
+    stream.update(prefix.data() + after, 8 + n - after);
+    std::uint64_t actual = stream.digest();
     if (!claimed || *claimed != actual) {
       problems.add(
           fmt::format("{}: header checksum mismatch (stored {}, computed {}): the "
@@ -531,11 +554,15 @@ ContainerHeader parse_container_header(std::string_view prefix, std::uint64_t fi
   std::uint64_t data_size = file_size - header.data_start;
   std::vector<std::size_t> by_offset(header.entries.size());
   std::iota(by_offset.begin(), by_offset.end(), 0);
-  std::sort(by_offset.begin(), by_offset.end(), [&](std::size_t a, std::size_t b) {
+  auto before = [&](std::size_t a, std::size_t b) {
     const auto& ea = header.entries[a];
     const auto& eb = header.entries[b];
     return ea.begin != eb.begin ? ea.begin < eb.begin : ea.end < eb.end;
-  });
+  };
+  // torchpoint writes the entries in data order: then there is nothing to sort.
+  if (!std::is_sorted(by_offset.begin(), by_offset.end(), before)) {
+    std::sort(by_offset.begin(), by_offset.end(), before);
+  }
   std::uint64_t expected = 0;
   for (std::size_t i : by_offset) {
     const TensorEntry& e = header.entries[i];
