@@ -6,6 +6,7 @@
 # LibTorch: by default the C++ libraries of the venv's torch wheel (LibTorch 2.13). To build
 # against another LibTorch (a pytorch.org zip, a source build), set Torch_DIR to the folder
 # holding TorchConfig.cmake, or CMAKE_PREFIX_PATH to the LibTorch folder, before running.
+# Compiler flags: -O2 -g1 -DNDEBUG; TORCHPOINT_CXX_FLAGS="-O2 -g -DNDEBUG" for full debug info.
 # Usage: scripts/setup.sh [cmake --build targets...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +28,9 @@ if [[ -n ${Torch_DIR:-} ]]; then
 elif [[ -z ${CMAKE_PREFIX_PATH:-} ]]; then
   torch_args=("-DTorch_DIR=$("$python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')/Torch")
 fi
+# -g1 (line tables and function names: enough for perf and for a backtrace) instead of -g:
+# LibTorch's templates make full debug info a third of each compile, and the build is most of CI.
 "$cmake" -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=${TORCHPOINT_CXX_FLAGS:--O2 -g1 -DNDEBUG}" \
   "-DTORCHPOINT_PYTHON=$python" "${torch_args[@]}"
 "$cmake" --build build ${1:+--target "$@"}
