@@ -952,6 +952,47 @@ TEST(Golden, Version2ShardedCheckpointLoadsWhole) {
             std::string::npos);
 }
 
+// The writer appends the header's text itself (names copied, the metadata string escaped by
+// hand): it must be, byte for byte, what nlohmann writes for the same values, for every name a
+// user may give (quotes, backslashes, control characters, DEL, UTF-8) and any state strings.
+TEST(Golden, HeaderTextIsExactlyWhatNlohmannWrites) {
+  TempDir dir;
+  const std::vector<std::string> names = {
+      "fc.weight", "quote\"d",        "back\\slash",     "tab\there", "line\nfeed", "ctrl\x01",
+      "del\x7f",   "\xc3\xa9t\xc3\xa9", "{\"json\":[1]}", "\xe2\x82\xac/\xf0\x9f\x98\x80"};
+  Container c;
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    c.tensors.emplace_back(names[i], make_tensor(at::kFloat, {2, static_cast<std::int64_t>(i + 1)},
+                                                 static_cast<int>(i)));
+  }
+  c.state = {{"quoted", "a \"b\" \\ c"},
+             {"newline", "x\ny\tz\x01"},
+             {"utf8", "\xc3\xbc\xe2\x82\xac"},
+             {"n", -3},
+             {"f", 0.1}};
+  save_file(dir / "odd.safetensors", c);
+
+  const std::string bytes = testing::read_bytes(dir / "odd.safetensors");
+  ASSERT_GE(bytes.size(), 8u);
+  std::uint64_t length = 0;
+  for (int i = 7; i >= 0; --i) length = length << 8 | static_cast<unsigned char>(bytes[i]);
+  ASSERT_LE(8 + length, bytes.size());
+  std::string header = bytes.substr(8, length);
+  header.erase(header.find_last_not_of(' ') + 1);  // the padding
+  const nlohmann::ordered_json parsed = nlohmann::ordered_json::parse(header);
+  EXPECT_EQ(header, parsed.dump());
+  const std::string meta = parsed.at("__metadata__").at("torchpoint").get<std::string>();
+  EXPECT_EQ(meta, nlohmann::ordered_json::parse(meta).dump());
+
+  Container back = load_file(dir / "odd.safetensors");
+  ASSERT_EQ(back.tensors.size(), names.size());
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    EXPECT_EQ(back.tensors[i].first, names[i]);
+    EXPECT_TRUE(testing::bitwise_equal(back.tensors[i].second, c.tensors[i].second));
+  }
+  EXPECT_EQ(back.state, c.state);
+}
+
 TEST(Golden, TodaysWriterStillProducesTheVersion1Bytes) {
   // While the format version is 1.0 and the library 0.1.0, a save is byte-identical to the golden.
   if (std::string(TORCHPOINT_TEST_VERSION) != "0.1.0") GTEST_SKIP() << "library version changed";

@@ -1,6 +1,5 @@
 #include "format/checksum.h"
 
-#include <fmt/format.h>
 #include <xxh_x86dispatch.h>
 
 #include <array>
@@ -25,7 +24,12 @@ void Xxh3Stream::update(const void* data, std::size_t size) {
 
 std::uint64_t Xxh3Stream::digest() const { return XXH3_64bits_digest(state_->s); }
 
-std::string checksum_hex(std::uint64_t value) { return fmt::format("{:016x}", value); }
+std::string checksum_hex(std::uint64_t value) {
+  static constexpr char kDigits[] = "0123456789abcdef";
+  std::string text(kChecksumHexLength, '0');
+  for (std::size_t i = kChecksumHexLength; i-- > 0; value >>= 4) text[i] = kDigits[value & 0xf];
+  return text;
+}
 
 std::optional<std::uint64_t> parse_checksum_hex(std::string_view text) {
   // The value of each lowercase hex digit, -1 for every other byte: a file of 20,000 tensors
