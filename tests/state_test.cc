@@ -220,6 +220,112 @@ TEST(Sampler, SkipFirstBatchesDoesNotReadSkippedSamplesAndNextEpochIsWhole) {
   EXPECT_EQ(sampler.epoch(), 1);
 }
 
+// skip_first_batches right after a load counts from the start of the saved epoch, as in
+// Accelerate: the batches the checkpoint had trained on continue that epoch (its last batch
+// included: an empty rest, then the next epoch whole), 0 with no batch left begins the next
+// epoch (a position derived from the step count), and anything else throws naming both numbers,
+// leaving the position as it was.
+TEST(Sampler, SkipAfterALoadCountsFromTheSavedEpochsStartOrThrows) {
+  struct Numbers : torch::data::datasets::Dataset<Numbers> {
+    torch::data::Example<> get(std::size_t i) override {
+      return {torch::full({1}, static_cast<double>(i)), torch::zeros({1})};
+    }
+    c10::optional<std::size_t> size() const override { return 10; }  // 3 batches of 4, 4, 2
+  };
+  auto make_loader = [](ResumableSampler& sampler) {
+    return torch::data::make_data_loader(Numbers().map(torch::data::transforms::Stack<>()),
+                                         sampler, torch::data::DataLoaderOptions().batch_size(4));
+  };
+  // What the next two loops over the loader yield, flattened per epoch, with the epoch of each.
+  auto next_two = [&](ResumableSampler& sampler) {
+    auto loader = make_loader(sampler);
+    std::vector<std::pair<std::int64_t, std::vector<std::int64_t>>> out;
+    for (int i = 0; i < 2; ++i) {
+      std::vector<std::int64_t> seen;
+      for (auto& batch : sampler.track(*loader)) {
+        for (auto v : indices_of(batch)) seen.push_back(v);
+      }
+      out.emplace_back(sampler.epoch(), seen);
+    }
+    return out;
+  };
+  ResumableSampler original(10, true, 9);
+  StateDict first_batch, last_batch, after_loop;
+  {
+    auto loader = make_loader(original);
+    int batches = 0;
+    for (auto& batch : original.track(*loader)) {
+      (void)batch;
+      if (++batches == 1) first_batch = original.state_dict();
+      if (batches == 3) last_batch = original.state_dict();
+    }
+    after_loop = original.state_dict();
+  }
+  auto order0 = original.order_of(0), order1 = original.order_of(1);
+  auto from = [](const std::vector<std::size_t>& order, std::size_t i) {
+    return std::vector<std::int64_t>(order.begin() + static_cast<std::ptrdiff_t>(i), order.end());
+  };
+  auto whole1 = from(order1, 0);
+  using Seen = std::vector<std::pair<std::int64_t, std::vector<std::int64_t>>>;
+  struct Case {
+    const char* name;
+    StateDict* state;
+    std::size_t skip;
+    Seen want;
+  };
+  const std::vector<Case> ok = {
+      {"first batch, skip 1", &first_batch, 1, {{0, from(order0, 4)}, {1, whole1}}},
+      {"last batch, skip 3", &last_batch, 3, {{0, {}}, {1, whole1}}},
+      {"last batch, skip 0", &last_batch, 0, {{1, whole1}, {2, from(original.order_of(2), 0)}}},
+      {"after the loop, skip 3", &after_loop, 3, {{0, {}}, {1, whole1}}},
+      {"after the loop, skip 0", &after_loop, 0, {{1, whole1}, {2, from(original.order_of(2), 0)}}},
+  };
+  for (const Case& c : ok) {
+    SCOPED_TRACE(c.name);
+    ResumableSampler restored(10, true, 9);
+    restored.load_state_dict(*c.state);
+    restored.skip_first_batches(c.skip, 4);
+    EXPECT_EQ(next_two(restored), c.want);
+  }
+  struct Bad {
+    StateDict* state;
+    std::size_t skip;
+    std::vector<std::string> parts;
+    Seen unchanged;
+  };
+  const std::vector<Bad> bad = {
+      {&first_batch, 0, {"skip_first_batches(0)", "after 1 of the 3 batches of epoch 0",
+                         "inside the epoch's loop", "skip 1 to continue"},
+       {{0, from(order0, 4)}, {1, whole1}}},
+      {&first_batch, 2, {"skip_first_batches(2)", "after 1 of the 3"}, {{0, from(order0, 4)}, {1, whole1}}},
+      {&last_batch, 1, {"after 3 of the 3 batches of epoch 0", "or 0 to begin epoch 1"},
+       {{0, {}}, {1, whole1}}},
+      {&after_loop, 2, {"after the epoch's loop ended", "skip 3", "or 0 to begin epoch 1"},
+       {{1, whole1}, {2, from(original.order_of(2), 0)}}},
+  };
+  for (const Bad& c : bad) {
+    SCOPED_TRACE(c.parts[0]);
+    ResumableSampler restored(10, true, 9);
+    restored.load_state_dict(*c.state);
+    testing::expect_error([&] { restored.skip_first_batches(c.skip, 4); },
+                          ErrorCode::InvalidArgument, c.parts);
+    EXPECT_EQ(next_two(restored), c.unchanged) << "a refused skip changed the position";
+  }
+  // A file written before batches were counted: the batches trained on come from the samples.
+  StateDict old_file = last_batch;
+  old_file.erase("batches_consumed");
+  ResumableSampler restored(10, true, 9);
+  restored.load_state_dict(old_file);
+  restored.skip_first_batches(3, 4);
+  EXPECT_EQ(next_two(restored), (Seen{{0, {}}, {1, whole1}}));
+  // A position saved before the first iteration (the guide saves the starting state, then
+  // skips 100 batches) contradicts nothing: any skip counts from epoch 0's start.
+  ResumableSampler fresh(10, true, 9), loaded(10, true, 9);
+  loaded.load_state_dict(fresh.state_dict());
+  loaded.skip_first_batches(2, 4);
+  EXPECT_EQ(next_two(loaded), (Seen{{0, from(order0, 8)}, {1, whole1}}));
+}
+
 // next_epoch() is what the next loop over the loader iterates: what an epoch loop resumes from.
 TEST(Sampler, NextEpochIsTheEpochTheNextLoopIterates) {
   struct Numbers : torch::data::datasets::Dataset<Numbers> {

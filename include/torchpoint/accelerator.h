@@ -347,15 +347,21 @@ class Accelerator {
   // whose checkpoints are all invalid is not fresh, and throws NotFound listing them.
   std::optional<LoadStateReport> try_load_state();
 
-  // The next iteration of `loader` starts `num_batches` batches into the epoch it iterates
-  // (after load_state(), the epoch the checkpoint was in, or the next one when that one had no
-  // batch left), without reading the skipped samples; later iterations are whole epochs.
-  // Returns `loader`. Both of Accelerate's resume patterns give the uninterrupted run's batches:
-  //   step_N:  starting_epoch = N / batches_per_epoch; skip_first_batches(loader,
-  //            N % batches_per_epoch) in that first epoch, also when that is 0;
-  //   epoch_N (saved after the epoch's loop): starting_epoch = N + 1, nothing skipped.
-  // load_state() alone already restores the position: skipping the batches it restored to is
-  // a no-op. See ResumableSampler for the model.
+  // The next iteration of `loader` yields the batches of an epoch from index `num_batches` on,
+  // without reading the skipped samples; later iterations are whole epochs. Returns `loader`.
+  // After load_state() the epoch is the one the checkpoint was saved in, counted from its
+  // start, as in Accelerate; every resume idiom of Accelerate's users gives the uninterrupted
+  // run's batches:
+  //   position kept in a registered object (the guide): skip_first_batches(loader,
+  //     batches_done) in the saved epoch, also when batches_done is the epoch's length;
+  //   step_N: starting_epoch = N / batches_per_epoch; skip_first_batches(loader,
+  //     N - starting_epoch * batches_per_epoch) in that first epoch, also when that is 0;
+  //   epoch_N (saved after the epoch's loop and its end-of-epoch work): starting_epoch = N + 1,
+  //     nothing skipped;
+  //   no skip at all, the epoch kept in a registered object: the loader yields the rest.
+  // Errors: InvalidArgument, naming both numbers, when `num_batches` after load_state() is
+  // neither the batches the saved epoch had trained on nor 0 for a saved epoch with no batch
+  // left: a resume is exact or an error. See ResumableSampler for the model.
   template <typename Dataset>
   std::shared_ptr<ResumableDataLoader<Dataset>> skip_first_batches(
       std::shared_ptr<ResumableDataLoader<Dataset>> loader, std::size_t num_batches) {

@@ -20,15 +20,18 @@ namespace torchpoint {
 namespace detail {
 // What every copy of one ResumableSampler shares (LibTorch's DataLoader keeps its own copy).
 struct SamplerCursor {
+  static constexpr std::size_t kUnknownBatches = static_cast<std::size_t>(-1);
   std::size_t size = 0;
   bool shuffle = true;
   std::uint64_t seed = 0;
   std::int64_t epoch = 0;
   std::size_t consumed = 0;  // samples delivered to the training loop in this epoch
+  std::size_t batches = 0;   // batches delivered to this process's loop in this epoch
   std::size_t issued = 0;    // samples handed to the loader (runs ahead with worker prefetch)
   bool started = false;
   bool resume_pending = false;  // the next reset() continues the epoch at `consumed`
   bool finished = false;        // the loop over `epoch` reached its end (see Tracked)
+  bool restored = false;  // loaded from a checkpoint; cleared by the next reset() or skip
   std::int64_t order_epoch = -1;
   std::vector<std::size_t> order;
   int shard_rank = 0;   // this process's part of each global batch (see ResumableSampler::shard)
@@ -49,11 +52,15 @@ struct SamplerCursor {
 //   - otherwise (saved inside the loop): the rest of the saved epoch. When that rest is empty
 //     (saved in the body of the epoch's last batch) the loop runs once with no batch, so a loop
 //     that keeps its own epoch counter in the checkpoint does that epoch's end-of-epoch work.
-// skip_first_batches(n) then positions that same next begin() at batch n of the epoch it
-// iterates, or, when that is an epoch with no batch left, of the next epoch: Accelerate's
-// "step_N" pattern (starting_epoch = step / batches_per_epoch, skip step % batches_per_epoch
-// batches) gives the batches the uninterrupted run saw, including after a checkpoint taken at
-// the last batch of an epoch (skip 0 then starts the next epoch).
+// skip_first_batches(n) right after load_state_dict() means what it means in Accelerate: the
+// batches of the *saved* epoch from index n on, and then whole epochs. So n must be the number
+// of batches of that epoch the checkpoint had trained on (the guide's "batches done" kept in a
+// registered object); the one other value a documented idiom produces is 0 for a checkpoint
+// whose epoch had no batch left (Accelerate's step_N pattern: starting_epoch =
+// step / batches_per_epoch has moved to the next epoch, resume_step is 0), which begins the
+// next epoch. Any other n throws InvalidArgument naming both numbers: skipping more or fewer
+// batches than were trained on would train on the wrong data. (A position saved before the
+// loader's first iteration holds nothing to contradict: any n counts from epoch 0's start.)
 //
 // Example:
 //   torchpoint::ResumableSampler sampler(dataset.size().value(), /*shuffle=*/true, /*seed=*/7);
@@ -92,14 +99,19 @@ class ResumableSampler : public torch::data::samplers::Sampler<> {
   void shard(int rank, int count);
   int shard_rank() const { return cursor_->shard_rank; }
   int shard_count() const { return cursor_->shard_count; }
-  // The training loop received `samples` more samples (track() calls this for you); sharded,
-  // every process received as many, so the position moves by `samples` times shard_count().
+  // The training loop received one batch of `samples` samples (track() calls this for you);
+  // sharded, every process received as many, so the position moves by `samples` times
+  // shard_count().
   void consume(std::size_t samples);
-  // Makes the next begin() start after the first `batches` batches of `batch_size` of the epoch
-  // it would iterate (or of the next one, when that one has no batch left: with `drop_last`, a
-  // partial batch does not count), without reading the skipped samples. Absolute, not
-  // relative: after load_state_dict() at batch k of an epoch, skipping k batches changes
-  // nothing.
+  // Makes the next begin() start after the first `batches` batches of `batch_size` of an epoch,
+  // without reading the skipped samples; the begin() after it iterates the next epoch, whole.
+  // Right after load_state_dict(), the epoch is the saved one and `batches` must be the
+  // batches it had trained on (then nothing changes), or 0 when it had none left (then the
+  // next epoch begins): see above the class. Otherwise: the epoch the next begin() would start
+  // (the pending one while it has a batch left, with `drop_last` a partial batch not
+  // counting; else the one after it), skipping at most all of it.
+  // Errors: InvalidArgument after load_state_dict() for any other `batches`, naming the saved
+  // epoch, its batches trained on and its length; the position is then unchanged.
   void skip_first_batches(std::size_t batches, std::size_t batch_size, bool drop_last = false);
   // The loop over the current epoch reached its end (track() calls this for you).
   void finish_epoch() { cursor_->finished = true; }
@@ -109,9 +121,9 @@ class ResumableSampler : public torch::data::samplers::Sampler<> {
   // The sample indices of `epoch`, in order.
   std::vector<std::size_t> order_of(std::int64_t epoch) const;
 
-  // seed, size, shuffle, epoch, consumed samples and whether the epoch's loop ended. Loading
-  // checks size, shuffle and seed (Incompatible otherwise); what the next begin() iterates is
-  // described above the class.
+  // seed, size, shuffle, epoch, consumed samples and batches, and whether the epoch's loop
+  // ended. Loading checks size, shuffle and seed (Incompatible otherwise); what the next
+  // begin() iterates is described above the class.
   StateDict state_dict() const;
   void load_state_dict(const StateDict& state);
 

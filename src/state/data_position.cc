@@ -75,6 +75,7 @@ void ResumableSampler::reset(c10::optional<std::size_t> new_size) {
     c.order_epoch = -1;
   }
   c.finished = false;
+  c.restored = false;
   if (c.resume_pending) {
     // Continue the restored (or skipped-into) epoch instead of starting a new one: DataLoader's
     // begin() calls reset(), which must not wipe a position that was just loaded.
@@ -82,9 +83,11 @@ void ResumableSampler::reset(c10::optional<std::size_t> new_size) {
   } else if (c.started) {
     ++c.epoch;
     c.consumed = 0;
+    c.batches = 0;
   } else {
     c.started = true;
     c.consumed = 0;
+    c.batches = 0;
   }
   c.issued = std::min(c.consumed, c.size);
   ensure_order();
@@ -122,28 +125,71 @@ void ResumableSampler::shard(int rank, int count) {
 void ResumableSampler::set_epoch(std::int64_t epoch) {
   cursor_->epoch = epoch;
   cursor_->consumed = 0;
+  cursor_->batches = 0;
   cursor_->started = true;
   cursor_->resume_pending = true;
   cursor_->finished = false;
+  cursor_->restored = false;
 }
 
 void ResumableSampler::consume(std::size_t samples) {
   cursor_->consumed = std::min(
       cursor_->size, cursor_->consumed + samples * static_cast<std::size_t>(cursor_->shard_count));
+  ++cursor_->batches;
 }
 
 void ResumableSampler::skip_first_batches(std::size_t batches, std::size_t batch_size,
                                           bool drop_last) {
   detail::SamplerCursor& c = *cursor_;
-  const std::size_t global_batch = batch_size * static_cast<std::size_t>(c.shard_count);
-  if (c.started) {
-    // The epoch the next begin() iterates: the pending one while it has a batch left, else the
-    // one after it.
-    std::size_t left = c.size - std::min(c.size, c.consumed);
-    bool batch_left = drop_last ? left >= std::max<std::size_t>(global_batch, 1) : left > 0;
-    if (!(c.resume_pending && batch_left)) ++c.epoch;
+  const std::size_t global_batch =
+      std::max<std::size_t>(1, batch_size * static_cast<std::size_t>(c.shard_count));
+  const std::size_t left = c.size - std::min(c.size, c.consumed);
+  const bool batch_left = drop_last ? left >= global_batch : left > 0;
+  // A position saved before the loader's first iteration says nothing about the user's data
+  // (Accelerate's guide saves the starting state, then skips 100 batches): counted from epoch
+  // 0's start like any skip.
+  if (c.restored && c.started) {
+    // Counted from the start of the saved epoch, as Accelerate counts: only the batches it
+    // trained on (nothing changes) or, when none was left, 0 (the next epoch, which is where a
+    // position derived from the step count has moved on to) say where the saved run was.
+    const std::size_t done =
+        c.batches != detail::SamplerCursor::kUnknownBatches
+            ? c.batches
+            : (std::min(c.consumed, c.size) + global_batch - 1) / global_batch;
+    const std::size_t whole = drop_last ? c.size / global_batch
+                                        : (c.size + global_batch - 1) / global_batch;
+    if (batches == done) {
+      // A checkpoint saved after the epoch's loop ended: its empty rest, then the next epoch,
+      // so that a loop still counting the saved epoch does that epoch's end-of-epoch work.
+      c.resume_pending = true;
+      c.finished = false;
+    } else if (batches == 0 && !batch_left) {
+      ++c.epoch;
+      c.consumed = 0;
+      c.batches = 0;
+      c.resume_pending = true;
+      c.finished = false;
+    } else {
+      throw Error(
+          ErrorCode::InvalidArgument,
+          fmt::format(
+              "skip_first_batches({}) after loading a data position: the checkpoint was saved "
+              "after {} of the {} batches of epoch {} ({}); skip {} to continue that epoch{}. "
+              "Skipping any other number would train on batches the saved run did not reach or "
+              "had already trained on",
+              batches, done, whole, c.epoch,
+              c.finished ? "after the epoch's loop ended" : "inside the epoch's loop", done,
+              batch_left ? std::string()
+                         : fmt::format(", or 0 to begin epoch {} (the step count's epoch)",
+                                       c.epoch + 1)));
+    }
+    c.restored = false;
+    return;
   }
+  if (c.started && !(c.resume_pending && batch_left)) ++c.epoch;
+  c.restored = false;
   c.consumed = std::min(c.size, batches * global_batch);
+  c.batches = batches;
   c.started = true;
   c.resume_pending = true;
   c.finished = false;
@@ -170,6 +216,9 @@ StateDict ResumableSampler::state_dict() const {
   sd.set("seed", cursor_->seed);
   sd.set("epoch", cursor_->epoch);
   sd.set("samples_consumed", static_cast<std::uint64_t>(cursor_->consumed));
+  if (cursor_->batches != detail::SamplerCursor::kUnknownBatches) {
+    sd.set("batches_consumed", static_cast<std::uint64_t>(cursor_->batches));
+  }
   sd.set("started", cursor_->started);
   sd.set("epoch_finished", cursor_->finished);
   return sd;
@@ -191,11 +240,20 @@ void ResumableSampler::load_state_dict(const StateDict& state) {
     throw Error(ErrorCode::Corruption, fmt::format("{}: position {} is past the {} samples",
                                                    state.description(), consumed, size));
   }
-  cursor_->epoch = state.get<std::int64_t>("epoch");
-  cursor_->consumed = consumed;
-  cursor_->started = state.get<bool>("started");
+  // Absent from older files: skip_first_batches derives it from the samples consumed.
+  const std::size_t batches = state.contains("batches_consumed")
+                                  ? state.get<std::uint64_t>("batches_consumed")
+                                  : detail::SamplerCursor::kUnknownBatches;
+  auto epoch = state.get<std::int64_t>("epoch");
+  auto started = state.get<bool>("started");
   // Absent from files of torchpoint 0.1.0 and earlier, which resumed every saved epoch.
-  cursor_->finished = state.contains("epoch_finished") && state.get<bool>("epoch_finished");
+  bool finished = state.contains("epoch_finished") && state.get<bool>("epoch_finished");
+  cursor_->epoch = epoch;
+  cursor_->consumed = consumed;
+  cursor_->batches = batches;
+  cursor_->started = started;
+  cursor_->finished = finished;
+  cursor_->restored = true;
   // An epoch whose loop ended is done: the next begin() starts the next one. Otherwise the
   // next begin() continues the saved epoch, even one with no batch left: the loop that was
   // interrupted in its last batch still has its end-of-epoch work to do.
@@ -216,6 +274,9 @@ void ResumableSampler::load(torch::serialize::InputArchive& archive) {
   archive.read("samples_consumed", consumed, /*is_buffer=*/true);
   cursor_->epoch = epoch.item<std::int64_t>();
   cursor_->consumed = std::min<std::size_t>(consumed.item<std::int64_t>(), cursor_->size);
+  cursor_->batches = detail::SamplerCursor::kUnknownBatches;
+  cursor_->restored = true;
+  cursor_->finished = false;
   cursor_->started = true;
   cursor_->resume_pending = true;
   cursor_->order_epoch = -1;

@@ -733,29 +733,6 @@ LoadStateReport Accelerator::load_state(const std::string& input_dir) {
   report.saved_world_size = saved_world;
   reset_after_load();
 
-  // A data position at the end of an epoch whose loop had not ended: the next iteration of that
-  // loader yields no batch. Right for a loop that keeps its epoch in the checkpoint; a loop that
-  // derives its epoch from the step count must call skip_first_batches (with 0) to start the
-  // next epoch. Said once, loudly, because the two shapes differ by a whole epoch.
-  for (std::size_t i = 0; i < components_.size(); ++i) {
-    if (components_[i].kind != "sampler" || !all.has_child(names[i])) continue;
-    StateDict s = all.child(names[i]);
-    if (!s.contains("samples_consumed") || !s.contains("size") || !s.contains("started")) continue;
-    bool finished = s.contains("epoch_finished") && s.get<bool>("epoch_finished");
-    if (s.get<bool>("started") && !finished &&
-        s.get<std::uint64_t>("samples_consumed") >= s.get<std::uint64_t>("size")) {
-      std::string note = fmt::format(
-          "{} was saved in the last batch of epoch {} of its data loader ({}): the loader's next "
-          "iteration yields no batch, so that a loop keeping its own epoch counter finishes "
-          "epoch {}; a loop that starts at epoch step / batches_per_epoch must call "
-          "skip_first_batches(loader, 0) to begin epoch {} instead",
-          path, s.get<std::int64_t>("epoch"), names[i], s.get<std::int64_t>("epoch"),
-          s.get<std::int64_t>("epoch") + 1);
-      std::fprintf(stderr, "torchpoint: note: %s\n", note.c_str());
-      report.notes.push_back(std::move(note));
-    }
-  }
-
   step_ = checkpoint.info.step;
   continue_numbering_after(path);
   resumed_from_ = path;
