@@ -13,8 +13,8 @@
 #include <string_view>
 
 #include "memory_env.h"
-#include "state/torch_pickle.h"
-#include "state/torch_value.h"
+#include "python/torch_pickle.h"
+#include "python/torch_value.h"
 #include "torchpoint/error.h"
 #include "torchpoint/interop.h"
 

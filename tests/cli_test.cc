@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "sha256.h"
+#include "inspect/sha256.h"
 #include "testing/fault_env.h"
 #include "testing/test_util.h"
 #include "tests/learner_job.h"
@@ -46,7 +46,7 @@ using Json = nlohmann::json;
 // SHA-256 (FIPS 180-4 and its example vectors)
 
 std::string sha256_hex(const std::string& bytes) {
-  tool::Sha256 h;
+  detail::Sha256 h;
   h.update(bytes);
   return h.hex_digest();
 }
@@ -69,7 +69,7 @@ TEST(Sha256, AnySplitOfTheInputGivesTheSameDigest) {
   std::string expected = sha256_hex(input);
   // Splits around the 55/56/64-byte padding and block boundaries.
   for (std::size_t first : {0, 1, 55, 56, 63, 64, 65, 119, 120, 128, 200, 300}) {
-    tool::Sha256 h;
+    detail::Sha256 h;
     h.update(input.data(), first);
     for (std::size_t i = first; i < input.size(); i += 13) {
       h.update(input.data() + i, std::min<std::size_t>(13, input.size() - i));
@@ -745,7 +745,7 @@ TEST(CliDigest, SameStateSameDigestInEitherLayout) {
             digest_of(tp({"digest", p.ckpt(2), "--component", "records"})));
 }
 
-void put_u64(tool::Sha256& h, std::uint64_t v) {
+void put_u64(detail::Sha256& h, std::uint64_t v) {
   for (int i = 0; i < 8; ++i) {
     unsigned char b = static_cast<unsigned char>(v >> (8 * i));
     h.update(&b, 1);
@@ -758,7 +758,7 @@ TEST(CliDigest, FollowsTheDocumentedEncoding) {
   model.set("w", torch::tensor({1.0f, 2.0f}));
   model.set("b", torch::tensor({std::int64_t{3}}).reshape({1, 1}));
   save_directory(tmp / "c", {{"model", model.to_container()}});
-  tool::Sha256 h;
+  detail::Sha256 h;
   h.update("torchpoint-digest-v1\n");
   // Sorted by key: model/b before model/w.
   put_u64(h, 7);

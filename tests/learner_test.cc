@@ -13,7 +13,7 @@
 #include "torchpoint/optimizer_state.h"
 #include "torchpoint/records_plot.h"
 #include "torchpoint/tensor_file.h"
-#include "train/progress.h"
+#include "report/progress.h"
 
 namespace torchpoint {
 namespace {

@@ -6,7 +6,7 @@
 #include <cstring>
 #include <map>
 
-#include "checkpoint_view.h"
+#include "torchpoint/inspect.h"
 #include "commands.h"
 #include "output.h"
 

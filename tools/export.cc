@@ -1,7 +1,7 @@
 // torchpoint export PATH OUT.pt: one component's tensors as a file Python's torch.load reads.
 #include <fmt/format.h>
 
-#include "checkpoint_view.h"
+#include "torchpoint/inspect.h"
 #include "commands.h"
 #include "output.h"
 #include "torchpoint/accelerate_interop.h"

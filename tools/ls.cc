@@ -3,7 +3,7 @@
 
 #include <algorithm>
 
-#include "checkpoint_view.h"
+#include "torchpoint/inspect.h"
 #include "commands.h"
 #include "output.h"
 #include "torchpoint/checkpoint_manager.h"

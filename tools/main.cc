@@ -11,7 +11,7 @@
 #include <utility>
 
 #include "commands.h"
-#include "format/manifest.h"
+#include "torchpoint/checkpoint_dir.h"
 #include "torchpoint/error.h"
 
 namespace tp = torchpoint::tool;

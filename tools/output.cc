@@ -6,7 +6,6 @@
 #include <cmath>
 #include <ctime>
 
-#include "io/atomic_commit.h"
 #include "torchpoint/env.h"
 
 namespace torchpoint::tool {

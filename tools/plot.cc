@@ -2,14 +2,24 @@
 // (.png, .svg or .pdf) asks.
 #include <fmt/format.h>
 
-#include "checkpoint_view.h"
+#include <filesystem>
+
 #include "commands.h"
-#include "io/filename.h"
 #include "output.h"
 #include "torchpoint/error.h"
+#include "torchpoint/inspect.h"
 #include "torchpoint/records_plot.h"
 
 namespace torchpoint::tool {
+namespace {
+
+// The checkpoint's own name ("checkpoint_3", "state.ckpt"), trailing slashes aside: the title.
+std::string title_of(std::string path) {
+  while (path.size() > 1 && path.back() == '/') path.pop_back();
+  return std::filesystem::path(path).filename().string();
+}
+
+}  // namespace
 
 int run_plot(const PlotOptions& options, std::ostream& out) {
   // The format first: a wrong extension is reported before the checkpoint is read.
@@ -26,7 +36,7 @@ int run_plot(const PlotOptions& options, std::ostream& out) {
   }
   std::vector<PlotSeries> curves;
   for (const RecordSeries& s : series) curves.push_back({s.set, s.metric, s.values});
-  write_file_atomically(options.output, render_records(curves, base_name(view.path), format));
+  write_file_atomically(options.output, render_records(curves, title_of(view.path), format));
   out << fmt::format("wrote {} series to {}\n", series.size(), options.output);
   return kExitOk;
 }

@@ -1,7 +1,7 @@
 // torchpoint show PATH: what a checkpoint holds.
 #include <fmt/format.h>
 
-#include "checkpoint_view.h"
+#include "torchpoint/inspect.h"
 #include "commands.h"
 #include "output.h"
 #include "torchpoint/accelerate_interop.h"

@@ -516,6 +516,8 @@ class Accelerator {
   // The sampler of a prepared loader: sharded over the processes.
   void add_sampler(AnyStateful sampler, ResumableSampler& shardable);
   std::string save_state_distributed(const std::string& output_dir, bool overwrite);
+  // load_state() of a torchpoint checkpoint, step by step (accelerator_checkpoint.cc).
+  struct Loading;
   // load_state() of a directory written by Python Accelerate's save_state.
   LoadStateReport load_accelerate_state(const std::string& path, LoadStateReport report);
   // What every load resets: no scaled gradient pending, the accumulation count restarted.

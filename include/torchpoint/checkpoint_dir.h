@@ -75,6 +75,9 @@ void save_directory(const std::string& path, const std::vector<Component>& compo
                     const CheckpointInfo& info = {}, Env& env = Env::posix(),
                     const SaveDirectoryOptions& options = {});
 
+// The version of this torchpoint library ("0.1.0"), as every checkpoint it writes records it.
+std::string torchpoint_version();
+
 struct DirectoryCheckpoint {
   std::vector<Component> components;  // in the order they were saved
   CheckpointInfo info;

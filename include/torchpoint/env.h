@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "torchpoint/error.h"
@@ -130,5 +131,10 @@ class Env {
   // Reads a whole (small) file into memory.
   std::string read_file(const std::string& path);
 };
+
+// Writes `bytes` to a temporary sibling of `path`, syncs it, renames it into place and syncs
+// the directory: `path` then holds the new bytes whole, or (on error, thrown as IOError) what
+// it held before. For small files a person or a program reads (plots, exports, reports).
+void write_file_atomically(Env& env, const std::string& path, std::string_view bytes);
 
 }  // namespace torchpoint

@@ -11,6 +11,7 @@
 #include "torchpoint/env.h"
 #include "torchpoint/error.h"
 #include "torchpoint/grad_scaler.h"
+#include "torchpoint/inspect.h"
 #include "torchpoint/accelerate_interop.h"
 #include "torchpoint/interop.h"
 #include "torchpoint/learner.h"

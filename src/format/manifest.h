@@ -69,8 +69,8 @@ std::string serialize_manifest(const Manifest& manifest);
 // Parses and checks manifest bytes (checksum, version, structure). Throws through `problems`.
 Manifest parse_manifest(std::string_view bytes, const std::string& path, Problems& problems);
 
-// This build's versions, as recorded in new manifests.
-std::string torchpoint_version();
+// This build's LibTorch version, as recorded in new manifests (torchpoint_version() is public:
+// torchpoint/checkpoint_dir.h).
 std::string libtorch_version();
 
 }  // namespace torchpoint

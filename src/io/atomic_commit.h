@@ -92,8 +92,7 @@ std::vector<std::string> remove_stale_temporaries(Env& env, const std::string& d
 std::vector<std::string> remove_stale_temporaries(Env& env, const std::string& dir,
                                                   const std::string& final_name);
 
-// Writes `bytes` to a temporary sibling of `path`, syncs it and commits it with PendingFile:
-// `path` then holds the new bytes whole, or (on error) what it held before.
-void write_file_atomically(Env& env, const std::string& path, std::string_view bytes);
+// write_file_atomically(env, path, bytes) is public (torchpoint/env.h): it commits with
+// PendingFile.
 
 }  // namespace torchpoint

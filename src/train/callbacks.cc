@@ -22,7 +22,7 @@
 #include "torchpoint/checkpoint_manager.h"
 #include "torchpoint/error.h"
 #include "torchpoint/retention.h"
-#include "train/tfevents.h"
+#include "report/tfevents.h"
 
 namespace torchpoint::callbacks {
 namespace {

@@ -19,7 +19,7 @@
 #include "compat/torch_compat.h"
 #include "torchpoint/error.h"
 #include "train/fit_run.h"
-#include "train/progress.h"
+#include "report/progress.h"
 
 namespace torchpoint {
 namespace detail {

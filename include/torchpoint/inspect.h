@@ -1,4 +1,6 @@
-// One way to look at any checkpoint, directory or file, for the subcommands of `torchpoint`.
+// Looking into a checkpoint from code, as the `torchpoint` command-line tool does (show, verify,
+// diff, digest, ls and plot use only this and the other public headers): its components, files,
+// tensors, JSON values, versions, world size, metric records and a content digest.
 //
 // A directory checkpoint's components are its files (model.safetensors -> "model"). A file
 // checkpoint (save_file of a StateDict built with set_child, e.g. state.ckpt) has no files per
@@ -15,7 +17,7 @@
 
 #include "torchpoint/state_dict.h"
 
-namespace torchpoint::tool {
+namespace torchpoint {
 
 struct ComponentView {
   std::string name;             // "" for top-level entries of a file checkpoint
@@ -91,4 +93,13 @@ std::string dtype_name(const at::Tensor& tensor);
 std::string shape_string(const at::Tensor& tensor);
 std::uint64_t tensor_bytes(const at::Tensor& tensor);
 
-}  // namespace torchpoint::tool
+// SHA-256 over the tensors in `tensors` (already in canonical order: sorted by key), encoded
+// as follows, integers as 8-byte little-endian unsigned:
+//   "torchpoint-digest-v1\n"
+//   then for each tensor: len(key) key  len(dtype) dtype  ndim  dim...  len(data) data
+// where key is "component/name" (just "name" in a file checkpoint's top level), dtype the
+// safetensors name ("F32"), and data the tensor's bytes in row-major order, little endian.
+// JSON values and file layout (order, alignment, metadata, checksums) do not enter it.
+std::string tensor_digest(const std::vector<TensorRef>& tensors);
+
+}  // namespace torchpoint

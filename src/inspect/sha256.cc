@@ -1,9 +1,9 @@
-#include "sha256.h"
+#include "inspect/sha256.h"
 
 #include <algorithm>
 #include <cstring>
 
-namespace torchpoint::tool {
+namespace torchpoint::detail {
 namespace {
 
 constexpr std::array<std::uint32_t, 64> kRoundConstants = {
@@ -106,4 +106,4 @@ std::string Sha256::hex_digest() {
   return hex;
 }
 
-}  // namespace torchpoint::tool
+}  // namespace torchpoint::detail

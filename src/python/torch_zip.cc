@@ -1,4 +1,4 @@
-#include "state/torch_zip.h"
+#include "python/torch_zip.h"
 
 #include <fmt/format.h>
 

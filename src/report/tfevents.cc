@@ -1,4 +1,4 @@
-#include "train/tfevents.h"
+#include "report/tfevents.h"
 
 #include <fmt/format.h>
 #include <unistd.h>

@@ -1,4 +1,4 @@
-// SHA-256 (FIPS 180-4), for `torchpoint digest`. Not a security boundary: it names the exact
+// SHA-256 (FIPS 180-4), for the checkpoint digest of inspect.h (`torchpoint digest`). Not a security boundary: it names the exact
 // contents of a checkpoint so two runs can be compared by eye or by script.
 #pragma once
 
@@ -8,7 +8,7 @@
 #include <string>
 #include <string_view>
 
-namespace torchpoint::tool {
+namespace torchpoint::detail {
 
 // Incremental SHA-256: update() any number of times, then digest() once.
 //
@@ -37,4 +37,4 @@ class Sha256 {
   std::uint64_t total_bytes_ = 0;
 };
 
-}  // namespace torchpoint::tool
+}  // namespace torchpoint::detail

@@ -7,7 +7,7 @@
 #include <string>
 #include <string_view>
 
-#include "state/torch_pickle.h"
+#include "python/torch_pickle.h"
 #include "torchpoint/env.h"
 
 namespace torchpoint::detail {

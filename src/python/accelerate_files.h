@@ -12,10 +12,28 @@
 #include <string>
 #include <vector>
 
+#include <string_view>
+
+#include "python/torch_value.h"
 #include "torchpoint/env.h"
 #include "torchpoint/state_dict.h"
 
 namespace torchpoint::detail {
+
+using Kind = PyValue::Kind;
+
+constexpr const char* kRngPrefix = "random_states_";
+constexpr const char* kCustomPrefix = "custom_checkpoint_";
+
+// The kind of a component, or of an Accelerate file, by its name without the extension:
+// "model" for "model" and "model_1", ..., "custom" for "custom_checkpoint_<i>", "random_states"
+// for "random_states_<rank>", "data loader" for "dl_state_dict"; "" for any other name.
+std::string component_kind(std::string_view stem);
+// The optimizer type a Python param group's options belong to (torch 2.x's names).
+std::string python_optimizer_type(const PyValue& group);
+// A scheduler's state (torchpoint's or torch::optim::StepLR's), which Accelerate's guide
+// registers with register_for_checkpointing and so is saved as a custom object.
+bool is_scheduler_state(const StateDict& s);
 
 // A component the loading program registered: its file stem ("optimizer_1"), its kind
 // ("model", "optimizer", "scheduler", "scaler", "sampler", "custom") and its state now, which

@@ -19,9 +19,9 @@
 
 #include "compat/torch_compat.h"
 #include "io/atomic_commit.h"
-#include "state/torch_pickle.h"
-#include "state/torch_value.h"
-#include "state/torch_zip.h"
+#include "python/torch_pickle.h"
+#include "python/torch_value.h"
+#include "python/torch_zip.h"
 #include "torchpoint/error.h"
 #include "torchpoint/interop.h"
 

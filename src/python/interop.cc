@@ -9,9 +9,9 @@
 #include <cstring>
 
 #include "format/container.h"
-#include "state/torch_pickle.h"
-#include "state/torch_value.h"
-#include "state/torch_zip.h"
+#include "python/torch_pickle.h"
+#include "python/torch_value.h"
+#include "python/torch_zip.h"
 #include "torchpoint/error.h"
 
 namespace torchpoint {

@@ -1,4 +1,4 @@
-#include "checkpoint_view.h"
+#include "torchpoint/inspect.h"
 
 #include <fmt/format.h>
 
@@ -17,7 +17,7 @@
 #include "torchpoint/data_position.h"
 #include "torchpoint/error.h"
 
-namespace torchpoint::tool {
+namespace torchpoint {
 using detail::file_metadata;
 namespace {
 
@@ -290,4 +290,4 @@ std::uint64_t tensor_bytes(const at::Tensor& tensor) {
   return static_cast<std::uint64_t>(tensor.numel()) * tensor.element_size();
 }
 
-}  // namespace torchpoint::tool
+}  // namespace torchpoint

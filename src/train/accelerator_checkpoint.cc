@@ -1,0 +1,553 @@
+// The Accelerator's checkpointing: save_state (one process, or every process writing its own
+// files and the main process committing), retention after a save (total_limit), load_state
+// step by step, and the import of a directory written by Python Accelerate.
+#include <fmt/format.h>
+#include <torch/types.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <exception>
+#include <map>
+
+#include "checkpoint/committed.h"
+#include "compat/torch_compat.h"
+#include "format/directory_fill.h"
+#include "format/directory_save.h"
+#include "format/shards.h"
+#include "io/atomic_commit.h"
+#include "io/filename.h"
+#include "python/accelerate_files.h"
+#include "torchpoint/accelerate_interop.h"
+#include "torchpoint/accelerator.h"
+#include "torchpoint/checkpoint_dir.h"
+#include "torchpoint/checkpoint_manager.h"
+#include "torchpoint/error.h"
+#include "torchpoint/retention.h"
+#include "torchpoint/stateful_set.h"
+
+namespace torchpoint {
+namespace {
+
+// The RNG file of process `rank`: random_states_<rank>, as Accelerate names it.
+std::string random_states_name(int rank) { return fmt::format("{}{}", detail::kRngPrefix, rank); }
+
+std::string join_names(const std::vector<std::string>& names) {
+  std::string out;
+  for (const std::string& n : names) out += (out.empty() ? "" : ", ") + n;
+  return out;
+}
+
+}  // namespace
+
+std::string Accelerator::checkpoints_dir() const {
+  if (config_.project_dir().empty()) {
+    throw Error(ErrorCode::InvalidArgument,
+                "automatic checkpoint naming needs a project directory: "
+                "ProjectConfiguration().project_dir(\"runs/exp1\")");
+  }
+  return join_path(config_.project_dir(), "checkpoints");
+}
+
+std::vector<std::pair<std::int64_t, std::string>> Accelerator::list_checkpoints() const {
+  std::vector<std::pair<std::int64_t, std::string>> out;
+  for (auto& [number, path] : detail::committed_checkpoints(checkpoints_dir(), env_)) {
+    out.emplace_back(static_cast<std::int64_t>(number), std::move(path));
+  }
+  return out;
+}
+
+std::string Accelerator::save_state(const std::string& output_dir, bool overwrite) {
+  wait_for_checkpoint();
+  if (group_) return save_state_distributed(output_dir, overwrite);
+  return save_state_with(output_dir, overwrite, nullptr, nullptr);
+}
+
+SaveHandle Accelerator::save_state_async(const std::string& output_dir, bool overwrite) {
+  if (group_) {
+    throw Error(ErrorCode::Unsupported,
+                "save_state_async() runs on one process only for now: with several processes, "
+                "call save_state()");
+  }
+  if (!async_) async_ = std::make_unique<AsyncCheckpointer>(env_);
+  SaveHandle handle;
+  save_state_with(output_dir, overwrite, async_.get(), &handle);
+  return handle;
+}
+
+void Accelerator::wait_for_checkpoint() {
+  if (async_) async_->wait();
+}
+
+std::string Accelerator::begin_save(const std::string& output_dir) {
+  if (output_dir.empty() && !config_.automatic_checkpoint_naming()) {
+    throw Error(ErrorCode::InvalidArgument,
+                "save_state() needs an output directory: pass one, or use "
+                "ProjectConfiguration().project_dir(...).automatic_checkpoint_naming(true)");
+  }
+  if (!sync_gradients_ || unsynced_backward_) {
+    throw Error(
+        ErrorCode::InvalidArgument,
+        !sync_gradients_
+            ? fmt::format("save_state() on iteration {} of a gradient accumulation over {}, "
+                          "which does not step: the gradients accumulated since the last "
+                          "optimizer step are not part of a checkpoint, so a run resumed from "
+                          "it would lose them; save when acc.sync_gradients() is true",
+                          accumulation_count_ % accumulation_steps_, accumulation_steps_)
+            : std::string("save_state() after a backward() under no_sync() that no "
+                          "synchronized backward() or optimizer step followed: those "
+                          "gradients are not part of a checkpoint, so a run resumed from it "
+                          "would lose them; save after the optimizer step"));
+  }
+  check_no_step_on_scaled_gradients(/*saving=*/true);
+  warn_about_uncounted_backwards();
+  return output_dir.empty() ? join_path(checkpoints_dir(), checkpoint_name(config_.iteration()))
+                            : output_dir;
+}
+
+SaveDirectoryOptions Accelerator::directory_options(bool overwrite) const {
+  SaveDirectoryOptions options;
+  options.overwrite = overwrite;
+  if (!save_hooks_.empty()) {
+    // A copy: an asynchronous save runs them while the loop may register more.
+    options.before_components = [hooks = save_hooks_](const std::string& dir) {
+      for (const auto& hook : hooks) hook(dir);
+    };
+  }
+  options.shard_size = config_.shard_size();
+  if (config_.incremental()) options.link_from = last_checkpoint_;
+  // The tensors no optimizer step changes: frozen parameters and buffers (Accelerate's and
+  // Hugging Face's sharding keeps none apart; here they fill shards that can be shared).
+  std::vector<std::string> names = component_names();
+  std::size_t model = 0;
+  for (std::size_t i = 0; i < components_.size(); ++i) {
+    if (components_[i].kind != "model" || model >= models_.size()) continue;
+    const torch::nn::Module& module = *models_[model++];
+    for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+      if (!item.value().requires_grad()) options.frozen.insert(names[i] + "/" + item.key());
+    }
+    for (const auto& item : module.named_buffers(/*recurse=*/true)) {
+      options.frozen.insert(names[i] + "/" + item.key());
+    }
+  }
+  return options;
+}
+
+std::string Accelerator::save_state_with(const std::string& output_dir, bool overwrite,
+                                         AsyncCheckpointer* saver, SaveHandle* handle) {
+  if (saver != nullptr) saver->wait();  // the previous save's error first, if nobody took it
+  const bool automatic = output_dir.empty();
+  const std::string path = begin_save(output_dir);
+
+  std::vector<std::string> names = component_names();
+  std::vector<torchpoint::Component> files;
+  files.reserve(components_.size() + 1);
+  for (std::size_t i = 0; i < components_.size(); ++i) {
+    files.push_back({names[i], components_[i].object.state_dict().to_container()});
+  }
+  files.push_back({random_states_name(0), rng_.state_dict().to_container()});
+  CheckpointInfo info;
+  info.step = step_;
+  info.iteration = config_.iteration();
+  info.metadata = {{"accelerator", {{"step", step_}, {"components", names}}}};
+  if (!logged_metrics_.empty()) info.metadata["metrics"] = logged_metrics_;
+  SaveDirectoryOptions options = directory_options(overwrite);
+  if (saver != nullptr) {
+    std::function<void()> after_commit;
+    if (automatic) after_commit = [this, path] { apply_total_limit(path); };
+    *handle = saver->save_directory(path, files, info, options, std::move(after_commit));
+    if (automatic) config_.iteration(config_.iteration() + 1);
+    // The next save waits for this one first; if it failed, the next finds nothing to link.
+    last_checkpoint_ = path;
+    return path;
+  }
+  save_directory(path, files, info, env_, options);
+  last_checkpoint_ = path;
+
+  if (automatic) {
+    config_.iteration(config_.iteration() + 1);
+    apply_total_limit(path);
+  }
+  return path;
+}
+
+std::string Accelerator::save_state_distributed(const std::string& output_dir, bool overwrite) {
+  const bool automatic = output_dir.empty();
+  const std::string path = begin_save(output_dir);
+  const int rank = group_->rank(), world = group_->size();
+  const std::vector<std::string> names = component_names();
+  const SaveDirectoryOptions options = directory_options(overwrite);
+
+  // 1. The main process opens the checkpoint: the lock, a temporary directory, the save hooks.
+  std::unique_ptr<DirectorySave> save;
+  Json opened = Json::parse(group_->decided_by_main(
+      [&] {
+        std::vector<std::string> all = names;
+        for (int r = 0; r < world; ++r) all.push_back(random_states_name(r));
+        save = std::make_unique<DirectorySave>(env_, path, all, options);
+        return Json{{"dir", save->temp_path()}, {"path", path}}.dump();
+      },
+      "save_state(): opening the checkpoint directory"));
+  // From here a number is used up, as by an asynchronous save: one that fails leaves it unused.
+  if (automatic) config_.iteration(config_.iteration() + 1);
+
+  // 2. Every process writes and fsyncs its own files there: the main process the components,
+  // each process its RNG states. All succeed, or every process throws (and the main process's
+  // DirectorySave removes the temporary directory).
+  Json files = Json::array();
+  std::exception_ptr failure;
+  try {
+    const std::string dir = opened.at("dir").get<std::string>();
+    std::vector<torchpoint::Component> mine;
+    if (rank == 0) {
+      for (std::size_t i = 0; i < components_.size(); ++i) {
+        mine.push_back({names[i], components_[i].object.state_dict().to_container()});
+      }
+    }
+    mine.push_back({random_states_name(rank), rng_.state_dict().to_container()});
+    // Only the main process writes the shardable components.
+    LinkSource link_source(env_, rank == 0 ? options.link_from : std::string());
+    for (const WrittenComponent& f : write_components(env_, dir, mine, options, &link_source)) {
+      files.push_back(f.to_json());
+    }
+  } catch (const std::exception&) {
+    failure = std::current_exception();
+  }
+  group_->agree(failure, fmt::format("save_state() of {} (nothing was committed)", path));
+
+  // 3. The main process, holding every process's report of what it wrote (sizes and checksums),
+  // writes the manifest listing them all and commits.
+  std::vector<std::string> reports =
+      group_->gather_strings(files.dump(), 0, "save_state(): sending the files written");
+  group_->decided_by_main(
+      [&]() -> std::string {
+        std::vector<WrittenComponent> written;
+        for (int r = 0; r < world; ++r) {
+          for (const Json& f : Json::parse(reports[static_cast<std::size_t>(r)])) {
+            written.push_back(WrittenComponent::from_json(f, fmt::format("rank {}", r)));
+          }
+        }
+        CheckpointInfo info;
+        info.step = step_;
+        info.iteration = config_.iteration() - (automatic ? 1 : 0);
+        info.metadata = {
+            {"accelerator", {{"step", step_}, {"components", names}, {"world_size", world}}}};
+        if (!logged_metrics_.empty()) info.metadata["metrics"] = logged_metrics_;
+        save->commit(written, info);
+        save.reset();  // releases the lock before retention takes it
+        if (automatic) apply_total_limit(path);
+        return "";
+      },
+      "save_state(): committing the checkpoint");
+  last_checkpoint_ = opened.at("path").get<std::string>();
+  return last_checkpoint_;
+}
+
+void Accelerator::apply_total_limit(const std::string& just_written) {
+  if (!config_.total_limit()) return;
+  std::string dir = checkpoints_dir();
+  ProjectLock lock(env_, dir);
+  auto all = list_checkpoints();
+  const auto limit = static_cast<std::size_t>(*config_.total_limit());
+  if (all.size() <= limit) return;
+  std::optional<std::uint64_t> resumed_number;
+  if (!resumed_from_.empty()) resumed_number = parse_checkpoint_name(base_name(resumed_from_));
+  // The library's retention policy with keep_last = total_limit. Committed checkpoints count
+  // as valid without being read (verifying every one at each save would read them all), except
+  // those that were there, newer than the one this run resumed from (after load_state() of an
+  // older one): they hold progress this run lacks, so they are pinned, unless their own
+  // checksums prove them corrupt, in which case they go. The checkpoint resumed from is not
+  // pinned: total_limit is a maximum.
+  std::vector<RetentionEntry> entries;
+  for (const auto& [number, path] : all) {
+    RetentionEntry e;
+    e.name = path;
+    const bool newer_than_resumed = resumed_number &&
+                                    static_cast<std::uint64_t>(number) > *resumed_number &&
+                                    number < first_own_number_ && path != just_written;
+    if (newer_than_resumed) {
+      if (verify(path, env_).proven_corrupt()) {
+        e.status = CheckpointStatus::Corrupt;
+      } else {
+        e.pinned = "newer than the checkpoint this run resumed from";
+      }
+    }
+    entries.push_back(std::move(e));
+  }
+  std::vector<RetentionDecision> decisions =
+      plan_retention(entries, RetentionPolicy().keep_last(limit).delete_corrupt(true));
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    if (decisions[i].keep) continue;
+    ListedCheckpoint doomed;
+    doomed.name = base_name(entries[i].name);
+    doomed.path = entries[i].name;
+    doomed.is_directory = true;
+    remove_checkpoint(dir, doomed, env_);
+  }
+}
+
+std::optional<LoadStateReport> Accelerator::try_load_state() {
+  wait_for_checkpoint();
+  if (list_checkpoints().empty()) return std::nullopt;
+  return load_state();
+}
+
+// load_state() of a torchpoint checkpoint, in the order its steps must run: choose (the same
+// checkpoint on every process), read (every byte verified before anything changes, and every
+// process agreeing that it could), restore (the components, this process's RNG last, then the
+// models' memory), report.
+struct Accelerator::Loading {
+  explicit Loading(Accelerator& accelerator) : acc(accelerator) {}
+
+  Accelerator& acc;
+  LoadStateReport report;
+  std::string path;
+  std::vector<std::string> names;  // the components' file stems
+  DirectoryFill loaded;
+  int saved_world = 1;
+  bool own_rng = true;  // the checkpoint has an RNG file for this process's rank
+  std::string rng_file;
+  std::vector<std::string> orphans;  // RNG files of ranks that no longer exist
+  RestoreReport restored;
+
+  void choose(const std::string& input_dir);
+  void read();
+  void restore();
+  LoadStateReport finish();
+};
+
+void Accelerator::Loading::choose(const std::string& input_dir) {
+  auto newest = [&]() -> std::string {
+    if (!input_dir.empty()) return input_dir;
+    std::string found = detail::newest_valid(detail::committed_checkpoints(acc.checkpoints_dir(),
+                                                                           acc.env_),
+                                             acc.env_, &report.skipped)
+                            .value_or("");
+    if (found.empty()) {
+      throw Error(ErrorCode::NotFound,
+                  fmt::format("no valid checkpoint under {}{}; save one with save_state() first",
+                              acc.checkpoints_dir(),
+                              report.skipped.empty() ? ""
+                                                     : fmt::format(" ({} invalid ones skipped)",
+                                                                   report.skipped.size())));
+    }
+    return found;
+  };
+  // With several processes the main process chooses, so that all load the same one.
+  path = acc.group_ ? acc.group_->decided_by_main(newest, "load_state(): choosing the checkpoint")
+                    : newest();
+}
+
+void Accelerator::Loading::read() {
+  // The models' parameters and buffers are read straight into their memory, after everything
+  // else is restored: no copy of a model is made or held (see load_directory_filling).
+  names = acc.component_names();
+  std::map<std::string, NamedTensors> fill;
+  for (std::size_t i = 0, model = 0; i < acc.components_.size(); ++i) {
+    if (acc.components_[i].kind != "model" || model >= acc.models_.size()) continue;
+    const torch::nn::Module& module = *acc.models_[model++];
+    NamedTensors& tensors = fill[names[i]];
+    for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+      tensors.emplace_back(item.key(), item.value());
+    }
+    for (const auto& item : module.named_buffers(/*recurse=*/true)) {
+      tensors.emplace_back(item.key(), item.value());
+    }
+  }
+  std::exception_ptr failure;
+  try {
+    loaded = load_directory_filling(path, acc.env_, fill);
+  } catch (const std::exception&) {
+    if (!acc.group_) throw;
+    failure = std::current_exception();
+  }
+  // Nothing changes on any process unless every process could read and verify it.
+  if (acc.group_) acc.group_->agree(failure, fmt::format("load_state(): reading {}", path));
+  const Json& meta = loaded.checkpoint.info.metadata;
+  if (meta.contains("accelerator") && meta["accelerator"].contains("world_size")) {
+    saved_world = meta["accelerator"]["world_size"].get<int>();
+  }
+  std::size_t saved_custom = 0, registered_custom = 0;
+  for (const auto& c : loaded.checkpoint.components) {
+    if (c.name.starts_with(detail::kCustomPrefix)) ++saved_custom;
+  }
+  for (const Component& c : acc.components_) {
+    if (c.kind == "custom") ++registered_custom;
+  }
+  if (saved_custom != registered_custom) {
+    throw Error(ErrorCode::Incompatible,
+                fmt::format("{} holds {} objects saved with register_for_checkpointing but {} are "
+                            "registered now; register the same objects in the same order",
+                            path, saved_custom, registered_custom));
+  }
+}
+
+void Accelerator::Loading::restore() {
+  const int rank = acc.process_index();
+  // This process's RNG file; a process the checkpoint has none for (more processes now) takes
+  // rank 0's and reseeds its CPU generator below.
+  own_rng = rank < saved_world;
+  rng_file = random_states_name(own_rng ? rank : 0);
+  StatefulSet set;
+  for (std::size_t i = 0; i < acc.components_.size(); ++i) {
+    set.add(names[i], acc.components_[i].object);
+  }
+  for (const std::string& name : loaded.filled) set.allow_missing(name);
+  // Everything else may draw random numbers while loading; the restored streams must not move.
+  set.add(rng_file, AnyStateful::ref(acc.rng_), /*restore_last=*/true);
+  StateDict all;
+  for (const auto& c : loaded.checkpoint.components) {
+    if (c.name.starts_with(detail::kRngPrefix) && c.name != rng_file) {
+      // Another process's: restored there, or (when it no longer exists) reported below.
+      std::string digits = c.name.substr(std::string(detail::kRngPrefix).size());
+      bool number = !digits.empty() && digits.size() < 10 &&
+                    digits.find_first_not_of("0123456789") == std::string::npos;
+      if (number && std::stoi(digits) >= acc.num_processes()) orphans.push_back(c.name);
+      continue;
+    }
+    all.set_child(c.name, StateDict::from_container(c.contents));
+  }
+  restored = set.restore(all);
+  // Last, when nothing else can fail: only an I/O error, or the files changing since they were
+  // verified, can stop it, and its error says the model may hold part of the checkpoint.
+  loaded.copy();
+  if (!own_rng) {
+    std::uint64_t seed =
+        at::detail::getDefaultCPUGenerator().current_seed() + static_cast<std::uint64_t>(rank);
+    torch::manual_seed(seed);
+    report.notes.push_back(fmt::format(
+        "{} was saved by {} process(es) and has no RNG states for rank {}: it restored rank 0's "
+        "and seeded its CPU generator with rank 0's seed + {} = {}",
+        path, saved_world, rank, rank, seed));
+  }
+}
+
+LoadStateReport Accelerator::Loading::finish() {
+  const DirectoryCheckpoint& checkpoint = loaded.checkpoint;
+  if (saved_world != acc.num_processes()) {
+    std::string note = fmt::format(
+        "{} was saved by {} process(es) and is loaded by {}: the data position (samples of the "
+        "epoch consumed by all processes) continues the epoch with no sample repeated or "
+        "skipped, but the batches differ from the saved run's from here on{}",
+        path, saved_world, acc.num_processes(),
+        orphans.empty() ? std::string()
+                        : "; the RNG states of ranks that no longer exist are not restored "
+                          "anywhere: " +
+                              join_names(orphans));
+    if (acc.is_main_process()) std::fprintf(stderr, "torchpoint: warning: %s\n", note.c_str());
+    report.notes.push_back(std::move(note));
+  }
+  report.saved_world_size = saved_world;
+  acc.reset_after_load();
+  acc.step_ = checkpoint.info.step;
+  acc.continue_numbering_after(path);
+  acc.resumed_from_ = path;
+  acc.last_checkpoint_ = path;
+  report.path = path;
+  for (const std::string& name : names) {
+    if (std::find(loaded.filled.begin(), loaded.filled.end(), name) != loaded.filled.end() ||
+        std::find(restored.restored.begin(), restored.restored.end(), name) !=
+            restored.restored.end()) {
+      report.components.push_back(name);
+    }
+  }
+  report.components.push_back(rng_file);
+  report.step = acc.step_;
+  report.libtorch_version = checkpoint.libtorch_version;
+  if (!checkpoint.libtorch_version.empty() &&
+      checkpoint.libtorch_version != compat::torch_version()) {
+    report.notes.push_back(fmt::format(
+        "{} was written by LibTorch {} and is loaded by LibTorch {}: every value was restored "
+        "bit for bit, but the two versions' kernels may compute the following steps "
+        "differently",
+        path, checkpoint.libtorch_version, compat::torch_version()));
+  }
+  return std::move(report);
+}
+
+LoadStateReport Accelerator::load_state(const std::string& input_dir) {
+  wait_for_checkpoint();
+  Loading loading(*this);
+  loading.choose(input_dir);
+  for (const auto& hook : load_hooks_) hook(loading.path);
+  if (is_accelerate_checkpoint(loading.path, env_)) {
+    return load_accelerate_state(loading.path, std::move(loading.report));
+  }
+  loading.read();
+  loading.restore();
+  return loading.finish();
+}
+
+void Accelerator::reset_after_load() {
+  scaled_pending_ = false;  // the parameters were just replaced; no gradient is pending
+  // Every save is at a step boundary, where the accumulation count starts again.
+  accumulation_count_ = 0;
+  sync_gradients_ = true;
+  unsynced_backward_ = false;
+}
+
+void Accelerator::continue_numbering_after(const std::string& path) {
+  if (config_.automatic_checkpoint_naming()) {
+    // The next save continues the numbering instead of starting again at checkpoint_0; after
+    // resuming from an older checkpoint, it goes after the newest one rather than collide.
+    std::int64_t next = config_.iteration();
+    if (auto n = parse_checkpoint_name(base_name(path))) next = static_cast<std::int64_t>(*n) + 1;
+    for (const auto& [number, p] : list_checkpoints()) next = std::max(next, number + 1);
+    config_.iteration(next);
+    first_own_number_ = next;
+  }
+}
+
+LoadStateReport Accelerator::load_accelerate_state(const std::string& path,
+                                                   LoadStateReport report) {
+  const std::vector<std::string> names = component_names();
+  std::vector<detail::WantedComponent> wanted;
+  for (std::size_t i = 0; i < components_.size(); ++i) {
+    const Component& c = components_[i];
+    // The state now shows the layout the translation must produce; a model's and a sampler's
+    // are not needed.
+    const bool needs_current = c.kind != "model" && c.kind != "sampler";
+    wanted.push_back({names[i], c.kind, needs_current ? c.object.state_dict() : StateDict()});
+  }
+  const std::string rng_name = random_states_name(process_index());
+  detail::AccelerateRead read;
+  std::exception_ptr failure;
+  try {
+    read = detail::read_accelerate_directory(path, wanted, rng_name, rng_.state_dict(),
+                                             process_index(), env_);
+  } catch (const std::exception&) {
+    if (!group_) throw;
+    failure = std::current_exception();
+  }
+  if (group_) group_->agree(failure, fmt::format("load_state(): reading {}", path));
+  StatefulSet set;
+  for (std::size_t i = 0; i < components_.size(); ++i) {
+    set.add(names[i], components_[i].object);
+    if (components_[i].kind == "sampler") set.allow_missing(names[i]);
+  }
+  // Everything else may draw random numbers while loading; the restored streams must not move.
+  set.add(rng_name, AnyStateful::ref(rng_), /*restore_last=*/true);
+  set.restore(read.all);
+  reset_after_load();
+  step_ = read.step;
+  continue_numbering_after(path);
+  resumed_from_ = path;
+  // Not a torchpoint checkpoint: an incremental save has nothing to link from it.
+  last_checkpoint_.clear();
+  report.path = path;
+  report.components = read.files;
+  report.step = step_;
+  report.saved_world_size = 0;  // Accelerate does not record it
+  report.not_applicable = read.not_applicable;
+  for (const std::string& n : read.not_in_checkpoint) {
+    report.notes.push_back(fmt::format("not in {}, left as it was: {}", path, n));
+  }
+  for (std::string& n : read.notes) report.notes.push_back(std::move(n));
+  report.notes.push_back(fmt::format(
+      "{} was written by Python Accelerate: its values were restored bit for bit, but "
+      "PyTorch's Python optimizers and LibTorch's compute the following steps with other "
+      "kernels, which may differ in the last bits",
+      path));
+  return report;
+}
+
+}  // namespace torchpoint
