@@ -14,10 +14,13 @@
 #include <vector>
 
 #include "testing/test_util.h"
+#include "tests/state_digest.h"
 #include "torchpoint/accelerator.h"
 #include "torchpoint/data_loader.h"
 #include "torchpoint/error.h"
 #include "torchpoint/grad_scaler.h"
+#include "torchpoint/module_state.h"
+#include "torchpoint/optimizer_state.h"
 
 namespace torchpoint {
 namespace {
@@ -299,6 +302,87 @@ TEST(AccelerateLoops, PrepareKeepsTheTypesOfModules) {
   for (const char* file : {"model.safetensors", "model_1.safetensors", "model_2.safetensors"}) {
     EXPECT_TRUE(std::filesystem::exists(saved + "/" + file)) << file;
   }
+}
+
+// register_for_checkpointing takes what Accelerate's takes: modules (a holder, a shared_ptr to
+// a module class) and optimizers (by reference or shared_ptr), saved as custom_checkpoint_<i>
+// and restored bit for bit by load_state, like the prepared ones.
+TEST(AccelerateLoops, ModulesAndOptimizersRegisterAsInAccelerate) {
+  TempDir dir;
+  torch::manual_seed(7);
+  torch::nn::Linear model(3, 1), ema(3, 1);
+  auto extra = std::make_shared<NetImpl>();
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::optim::Adam second(ema->parameters(), torch::optim::AdamOptions(0.01));
+  auto third =
+      std::make_shared<torch::optim::SGD>(extra->parameters(), torch::optim::SGDOptions(0.1));
+  Accelerator acc(ProjectConfiguration().project_dir(dir.path()));
+  acc.prepare(model, optimizer);
+  acc.register_for_checkpointing(ema, second, extra, third);
+  auto x = torch::randn({8, 3});
+  auto step_all = [&] {
+    for (torch::optim::Optimizer* o : std::vector<torch::optim::Optimizer*>{&optimizer, &second,
+                                                                            third.get()}) {
+      o->zero_grad();
+    }
+    acc.backward(model->forward(x).pow(2).mean() + ema->forward(x).pow(2).mean() +
+                 extra->forward(x).pow(2).mean());
+    optimizer.step();
+    second.step();
+    third->step();
+  };
+  step_all();
+  auto digest = [&] {
+    StateDict sd;
+    sd.set_child("ema", module_state_dict(*ema));
+    sd.set_child("extra", module_state_dict(*extra));
+    sd.set_child("second", optimizer_state_dict(second));
+    sd.set_child("third", optimizer_state_dict(*third));
+    return testing::state_digest(sd);
+  };
+  const auto saved_digest = digest();
+  const std::string saved = acc.save_state(dir / "ckpt");
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_TRUE(std::filesystem::exists(saved + "/custom_checkpoint_" + std::to_string(i) +
+                                        ".safetensors"))
+        << i;
+  }
+  step_all();
+  step_all();
+  ASSERT_NE(digest(), saved_digest) << "the steps changed the registered objects";
+  acc.load_state(saved);
+  EXPECT_EQ(digest(), saved_digest) << "every registered module and optimizer came back";
+}
+
+// The hooks' handles, as in Accelerate's test_save_load_model_with_hooks: registered hooks run
+// at each save and load, in order; after remove() they no longer do, and the other hooks still
+// run. Removing twice, or after the Accelerator is gone, does nothing.
+TEST(AccelerateLoops, HooksStopRunningOnceTheirHandlesRemoveThem) {
+  TempDir dir;
+  std::vector<std::string> ran;
+  RemovableHandle kept_past_the_accelerator;
+  {
+    Accelerator acc(ProjectConfiguration().project_dir(dir.path()));
+    torch::nn::Linear model(3, 1);
+    acc.prepare(model);
+    RemovableHandle save_a =
+        acc.register_save_state_pre_hook([&](const std::string&) { ran.push_back("save a"); });
+    RemovableHandle save_b =
+        acc.register_save_state_pre_hook([&](const std::string&) { ran.push_back("save b"); });
+    RemovableHandle load =
+        acc.register_load_state_pre_hook([&](const std::string&) { ran.push_back("load"); });
+    const std::string first = acc.save_state(dir / "first");
+    acc.load_state(first);
+    EXPECT_EQ(ran, (std::vector<std::string>{"save a", "save b", "load"}));
+    ran.clear();
+    save_a.remove();
+    load.remove();
+    load.remove();  // a second remove() does nothing
+    acc.load_state(acc.save_state(dir / "second"));
+    EXPECT_EQ(ran, (std::vector<std::string>{"save b"}));
+    kept_past_the_accelerator = save_b;
+  }
+  kept_past_the_accelerator.remove();  // the Accelerator is gone: nothing to do, no crash
 }
 
 // LibTorch's own torch::optim::StepLR, prepared as Accelerate users prepare their scheduler,

@@ -36,6 +36,8 @@
 
 namespace torchpoint {
 
+class RemovableHandle;
+
 namespace detail {
 template <typename>
 inline constexpr bool kAlwaysFalse = false;
@@ -48,6 +50,10 @@ concept LibTorchPlateauScheduler = requires {
 }
 &&requires(T& t) { t.step(0.0f); }
 &&!std::is_base_of_v<LRScheduler, T>;
+// A module holder: torch::nn::Linear, a TORCH_MODULE(Net), ...
+template <typename T>
+concept ModuleHolderType =
+    std::is_base_of_v<torch::nn::ModuleHolder<typename T::ContainedType>, T>;
 // A LibTorch LR scheduler whose state torchpoint can read whole: torch::optim::StepLR, whose
 // only state is the step count of its base class (the learning rates live in the optimizer).
 StateDict libtorch_step_lr_state(const torch::optim::StepLR& scheduler);
@@ -58,6 +64,36 @@ struct LibTorchStepLR {
   void load_state_dict(const StateDict& s) { load_libtorch_step_lr_state(*scheduler, s); }
 };
 }  // namespace detail
+
+namespace detail {
+// The hooks of one kind registered on an Accelerator, each with the id its handle removes.
+struct HookList : std::enable_shared_from_this<HookList> {
+  using Hook = std::function<void(const std::string&)>;
+  std::vector<std::pair<std::uint64_t, Hook>> hooks;
+  std::uint64_t next_id = 1;
+
+  RemovableHandle add(Hook hook);
+  // The hooks registered now, in order (a copy: an asynchronous save runs them later).
+  std::vector<Hook> snapshot() const;
+};
+}  // namespace detail
+
+// What the register_*_hook methods return, as Accelerate's RemovableHandle: remove()
+// unregisters the hook. Removing twice, or after the Accelerator is gone, does nothing. Not
+// thread-safe with a save in progress on another thread (asynchronous saves copy the hooks
+// when they start).
+class RemovableHandle {
+ public:
+  RemovableHandle() = default;
+  void remove();
+
+ private:
+  friend struct detail::HookList;
+  RemovableHandle(std::weak_ptr<detail::HookList> list, std::uint64_t id)
+      : list_(std::move(list)), id_(id) {}
+  std::weak_ptr<detail::HookList> list_;
+  std::uint64_t id_ = 0;
+};
 
 // Where and how checkpoints are named, with Accelerate's fields and defaults.
 struct ProjectConfiguration {
@@ -263,8 +299,13 @@ class Accelerator {
   std::vector<bool> optimizer_step(
       std::initializer_list<std::reference_wrapper<torch::optim::Optimizer>> optimizers);
 
-  // Registers any object with state_dict()/load_state_dict(), saved as custom_checkpoint_<i>
-  // in registration order. An object without those methods does not compile.
+  // Registers objects saved as custom_checkpoint_<i> in registration order and restored by
+  // load_state(): anything with state_dict()/load_state_dict(), and, as in Accelerate, modules
+  // (a module holder such as torch::nn::Linear or a TORCH_MODULE, or a shared_ptr to a module)
+  // and optimizers (by reference or shared_ptr). An object with no state does not compile, with
+  // a message that says what it needs.
+  // Example:
+  //   acc.register_for_checkpointing(ema_model, second_optimizer, position);
   template <typename... Ts>
   void register_for_checkpointing(Ts&&... objects) {
     (register_one(std::forward<Ts>(objects)), ...);
@@ -369,16 +410,20 @@ class Accelerator {
     return loader;
   }
 
-  // Save hooks run during save_state(), with the directory being written (a temporary sibling of
-  // the output directory, renamed to it on commit), before the components are written; files a
-  // hook writes there (save_pretrained-style configs) become part of the checkpoint: listed in
-  // its manifest with checksums and verified on load. Load hooks run with the input directory
-  // before a load.
-  void register_save_state_pre_hook(std::function<void(const std::string&)> hook) {
-    save_hooks_.push_back(std::move(hook));
+  // Save hooks run during save_state(), in the order registered, with the directory being
+  // written (a temporary sibling of the output directory, renamed to it on commit), before the
+  // components are written; files a hook writes there (save_pretrained-style configs) become
+  // part of the checkpoint: listed in its manifest with checksums and verified on load. Load
+  // hooks run with the input directory before a load. Each returns a handle whose remove()
+  // unregisters the hook, as Accelerate's RemovableHandle does.
+  // Example:
+  //   auto handle = acc.register_save_state_pre_hook([](const std::string& dir) { ... });
+  //   handle.remove();  // later saves no longer run it
+  RemovableHandle register_save_state_pre_hook(std::function<void(const std::string&)> hook) {
+    return save_hooks_->add(std::move(hook));
   }
-  void register_load_state_pre_hook(std::function<void(const std::string&)> hook) {
-    load_hooks_.push_back(std::move(hook));
+  RemovableHandle register_load_state_pre_hook(std::function<void(const std::string&)> hook) {
+    return load_hooks_->add(std::move(hook));
   }
 
   // Accelerate's log(): records metric values (the latest value of each name is kept), which
@@ -473,27 +518,42 @@ class Accelerator {
     return sampler;
   }
 
+  // Modules and optimizers are registered as Accelerate registers them (their state, through
+  // the same adapters as prepare(), as custom_checkpoint_<i>); anything else needs
+  // state_dict()/load_state_dict().
   template <typename T>
   void register_one(std::shared_ptr<T> object) {
-    static_assert(Stateful<T>,
-                  "torchpoint: register_for_checkpointing needs an object with `StateDict "
-                  "state_dict()` and `void load_state_dict(const torchpoint::StateDict&)`");
-    add_component("custom", AnyStateful(std::move(object)));
+    if constexpr (std::is_base_of_v<torch::nn::Module, T>) {
+      add_component("custom", AnyStateful::value(ModuleAdapter{std::move(object)}));
+    } else if constexpr (std::is_base_of_v<torch::optim::Optimizer, T>) {
+      add_component("custom", AnyStateful::value(OptimizerAdapter{object.get(), object}));
+    } else {
+      static_assert(Stateful<T>,
+                    "torchpoint: register_for_checkpointing needs an object with `StateDict "
+                    "state_dict()` and `void load_state_dict(const torchpoint::StateDict&)`");
+      add_component("custom", AnyStateful(std::move(object)));
+    }
   }
   void register_one(torch::optim::StepLR& scheduler) {
     add_component("custom", AnyStateful::value(detail::LibTorchStepLR{&scheduler}));
   }
   template <typename T>
   void register_one(T& object) {
-    static_assert(
-        !std::is_base_of_v<torch::optim::LRScheduler, T> && !detail::LibTorchPlateauScheduler<T>,
-        "torchpoint: this LibTorch LR scheduler keeps state torchpoint cannot read, so "
-        "it cannot be checkpointed exactly: use torchpoint's scheduler of the same name "
-        "(torchpoint/lr_scheduler.h); torch::optim::StepLR itself is supported");
-    static_assert(Stateful<T>,
-                  "torchpoint: register_for_checkpointing needs an object with `StateDict "
-                  "state_dict()` and `void load_state_dict(const torchpoint::StateDict&)`");
-    add_component("custom", AnyStateful::ref(object));
+    if constexpr (detail::ModuleHolderType<T>) {
+      add_component("custom", AnyStateful::value(ModuleAdapter{object.ptr()}));
+    } else if constexpr (std::is_base_of_v<torch::optim::Optimizer, T>) {
+      add_component("custom", AnyStateful::value(OptimizerAdapter{&object, nullptr}));
+    } else {
+      static_assert(!std::is_base_of_v<torch::optim::LRScheduler, T> &&
+                        !detail::LibTorchPlateauScheduler<T>,
+                    "torchpoint: this LibTorch LR scheduler keeps state torchpoint cannot read, "
+                    "so it cannot be checkpointed exactly: use torchpoint's scheduler of the same "
+                    "name (torchpoint/lr_scheduler.h); torch::optim::StepLR itself is supported");
+      static_assert(Stateful<T>,
+                    "torchpoint: register_for_checkpointing needs an object with `StateDict "
+                    "state_dict()` and `void load_state_dict(const torchpoint::StateDict&)`");
+      add_component("custom", AnyStateful::ref(object));
+    }
   }
 
   struct ModuleAdapter {
@@ -568,8 +628,8 @@ class Accelerator {
   // The first checkpoint number this run writes after load_state(): checkpoints numbered
   // between resumed_from_'s and this one were there before and are kept by retention.
   std::int64_t first_own_number_ = 0;
-  std::vector<std::function<void(const std::string&)>> save_hooks_;
-  std::vector<std::function<void(const std::string&)>> load_hooks_;
+  std::shared_ptr<detail::HookList> save_hooks_ = std::make_shared<detail::HookList>();
+  std::shared_ptr<detail::HookList> load_hooks_ = std::make_shared<detail::HookList>();
 
   struct BackwardCounts;  // shared with the gradient hooks, which may outlive this object
   std::shared_ptr<BackwardCounts> backward_counts_;

@@ -76,6 +76,27 @@ void load_libtorch_step_lr_state(torch::optim::StepLR& scheduler, const StateDic
 
 }  // namespace detail
 
+RemovableHandle detail::HookList::add(Hook hook) {
+  const std::uint64_t id = next_id++;
+  hooks.emplace_back(id, std::move(hook));
+  // A weak reference: the handle may outlive the Accelerator.
+  return RemovableHandle(weak_from_this(), id);
+}
+
+std::vector<detail::HookList::Hook> detail::HookList::snapshot() const {
+  std::vector<Hook> out;
+  out.reserve(hooks.size());
+  for (const auto& [id, hook] : hooks) out.push_back(hook);
+  return out;
+}
+
+void RemovableHandle::remove() {
+  std::shared_ptr<detail::HookList> list = list_.lock();
+  if (!list) return;
+  std::erase_if(list->hooks, [&](const auto& entry) { return entry.first == id_; });
+  list_.reset();
+}
+
 StateDict Accelerator::ModuleAdapter::state_dict() const { return module_state_dict(*module); }
 void Accelerator::ModuleAdapter::load_state_dict(const StateDict& state) {
   load_module_state_dict(*module, state);

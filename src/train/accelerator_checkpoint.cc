@@ -107,9 +107,9 @@ std::string Accelerator::begin_save(const std::string& output_dir) {
 SaveDirectoryOptions Accelerator::directory_options(bool overwrite) const {
   SaveDirectoryOptions options;
   options.overwrite = overwrite;
-  if (!save_hooks_.empty()) {
-    // A copy: an asynchronous save runs them while the loop may register more.
-    options.before_components = [hooks = save_hooks_](const std::string& dir) {
+  if (!save_hooks_->hooks.empty()) {
+    // A copy: an asynchronous save runs them while the loop may register or remove some.
+    options.before_components = [hooks = save_hooks_->snapshot()](const std::string& dir) {
       for (const auto& hook : hooks) hook(dir);
     };
   }
@@ -468,7 +468,7 @@ LoadStateReport Accelerator::load_state(const std::string& input_dir) {
   wait_for_checkpoint();
   Loading loading(*this);
   loading.choose(input_dir);
-  for (const auto& hook : load_hooks_) hook(loading.path);
+  for (const auto& hook : load_hooks_->snapshot()) hook(loading.path);
   if (is_accelerate_checkpoint(loading.path, env_)) {
     return load_accelerate_state(loading.path, std::move(loading.report));
   }
