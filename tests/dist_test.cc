@@ -2,8 +2,12 @@
 // torchrun over loopback, killed with SIGKILL and restarted by torchrun, made to fail a write on
 // one rank, made to hang, and resumed on another number of processes. Plus the sampler's
 // sharding and the process context's environment parsing, which need no processes.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <stdlib.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -213,6 +217,37 @@ TEST(ProcessGroupOptions, ReadsTorchrunsEnvironmentAndRefusesNonsense) {
         "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE"}) {
     ::unsetenv(v);
   }
+}
+
+// A rendezvous store nobody serves: the error names the address and what to check, and carries
+// none of c10d's C++ backtrace ("frame #0: c10::Error::Error...").
+TEST(ProcessGroupOptions, AStoreThatCannotBeReachedIsNamedWithoutABacktrace) {
+  // A loopback port that was free a moment ago and that nothing listens on now.
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address), 0);
+  socklen_t length = sizeof address;
+  ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length), 0);
+  const int port = ntohs(address.sin_port);
+  ::close(fd);
+  tp::Error e = tt::expect_error(
+      [&] {
+        tp::ProcessGroup::create(tp::ProcessGroupOptions()
+                                     .rank(1)
+                                     .world_size(2)
+                                     .master_port(port)
+                                     .timeout(std::chrono::milliseconds(1500)));
+      },
+      tp::ErrorCode::IOError,
+      {"rank 1: cannot reach the rendezvous store at 127.0.0.1:" + std::to_string(port),
+       "MASTER_ADDR and MASTER_PORT"});
+  const std::string message = e.what();
+  EXPECT_EQ(message.find("frame #"), std::string::npos) << message;
+  EXPECT_EQ(message.find("c10::Error::Error"), std::string::npos) << message;
+  EXPECT_LT(std::count(message.begin(), message.end(), '\n'), 3) << message;
 }
 
 // Parameters equal on every rank after every step; equal to the one-process run on the same

@@ -22,6 +22,15 @@ struct ProcessGroup::Impl {
 
 namespace {
 
+// What a c10d or gloo exception says, without the C++ backtrace a c10::Error carries ("frame #0:
+// c10::Error::Error..."): LibTorch's internals tell a user nothing torchpoint's message does not.
+std::string cause_of(const std::exception& e) {
+  if (const auto* error = dynamic_cast<const c10::Error*>(&e)) {
+    return error->what_without_backtrace();
+  }
+  return e.what();
+}
+
 std::optional<std::string> variable(const char* name) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') return std::nullopt;
@@ -108,7 +117,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const ProcessGroupOptions& op
         ErrorCode::IOError,
         fmt::format("rank {}: cannot reach the rendezvous store at {}:{} ({}); start the "
                     "program with torchrun, or check MASTER_ADDR and MASTER_PORT",
-                    options.rank(), options.master_addr(), options.master_port(), e.what()));
+                    options.rank(), options.master_addr(), options.master_port(), cause_of(e)));
   }
   if (options.use_agent_store()) {
     // torchrun's convention: each restart of the group meets under a prefix of its own.
@@ -131,7 +140,8 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const ProcessGroupOptions& op
         ErrorCode::IOError,
         fmt::format("rank {} of {}: the gloo process group could not connect ({}); every "
                     "rank must start within {} ms of the others",
-                    options.rank(), options.world_size(), e.what(), options.timeout().count()));
+                    options.rank(), options.world_size(), cause_of(e),
+                    options.timeout().count()));
   }
   return std::shared_ptr<ProcessGroup>(new ProcessGroup(options, std::move(impl)));
 }
@@ -179,10 +189,10 @@ void ProcessGroup::collective_failed(std::uint64_t n, const std::string& what,
   throw Error(
       ErrorCode::IOError,
       behind.empty()
-          ? fmt::format("rank {}: {} (collective #{}) failed: {}", rank(), what, n, cause.what())
+          ? fmt::format("rank {}: {} (collective #{}) failed: {}", rank(), what, n, cause_of(cause))
           : fmt::format("rank {}: {} (collective #{}) failed: {} did not take part; it "
                         "died or stopped answering (the group waits at most {} ms): {}",
-                        rank(), what, n, who, timeout().count(), cause.what()));
+                        rank(), what, n, who, timeout().count(), cause_of(cause)));
 }
 
 void ProcessGroup::barrier(const std::string& what) {
@@ -250,7 +260,7 @@ std::vector<std::string> ProcessGroup::wait_for_keys(const std::vector<std::stri
     }
     throw Error(ErrorCode::IOError,
                 missing.empty()
-                    ? fmt::format("rank {}: {} failed: {}", rank(), what, e.what())
+                    ? fmt::format("rank {}: {} failed: {}", rank(), what, cause_of(e))
                     : fmt::format("rank {}: {}: rank{} {} stopped answering (nothing within {} "
                                   "ms)",
                                   rank(), what, missing.size() > 1 ? "s" : "", rank_list(missing),
@@ -325,7 +335,7 @@ nlohmann::json outcome_of(const std::exception_ptr& failure, const std::string& 
   } catch (const Error& e) {
     return {{"ok", false}, {"code", error_code_name(e.code())}, {"message", e.what()}};
   } catch (const std::exception& e) {
-    return {{"ok", false}, {"code", error_code_name(ErrorCode::IOError)}, {"message", e.what()}};
+    return {{"ok", false}, {"code", error_code_name(ErrorCode::IOError)}, {"message", cause_of(e)}};
   }
   return {{"ok", false}, {"code", error_code_name(ErrorCode::IOError)}, {"message", "unknown"}};
 }
