@@ -292,7 +292,15 @@ TEST(AccelerateLoops, PrepareKeepsTheTypesOfModules) {
   torch::optim::SGD optimizer(holder->parameters(), torch::optim::SGDOptions(0.1));
   auto [net, opt, linear] = acc.prepare(holder, optimizer, torch::nn::Linear(2, 2));
   static_assert(std::is_same_v<decltype(net), Net>);
-  static_assert(std::is_same_v<decltype(opt), torch::optim::SGD&>);
+  static_assert(std::is_same_v<decltype(opt), AcceleratedOptimizer<torch::optim::SGD>&>);
+  static_assert(std::is_same_v<decltype(acc.prepare(std::make_shared<torch::optim::Adam>(
+                                   holder->parameters()))),
+                               std::shared_ptr<AcceleratedOptimizer<torch::optim::Adam>>>);
+  // The wrapper converts to the optimizer: LibTorch's schedulers and functions take it.
+  torch::optim::SGD& raw = opt;
+  EXPECT_EQ(&raw, &optimizer);
+  EXPECT_EQ(&opt.base(), &optimizer);
+  EXPECT_EQ(opt->param_groups().size(), 1u);
   static_assert(std::is_same_v<decltype(linear), torch::nn::Linear>);
   auto x = torch::ones({4, 3});
   EXPECT_EQ(shared->forward(x).sizes(), (std::vector<std::int64_t>{4, 1}));
@@ -388,6 +396,109 @@ TEST(AccelerateLoops, HooksStopRunningOnceTheirHandlesRemoveThem) {
 // LibTorch's own torch::optim::StepLR, prepared as Accelerate users prepare their scheduler,
 // comes back exactly: a run saved after epoch 3 and resumed gives every later learning rate and
 // weight of the uninterrupted run (the step count, protected in LibTorch, is what it needs).
+// Accelerate's test_save_load_model_with_hooks, with its hooks' signatures: the save hook gets
+// the prepared models, their states about to be written and the directory, and writes a config
+// there; the load hook gets the models and the directory and reads it back. The weights come
+// back from the checkpoint, and the config file is part of it.
+TEST(AccelerateLoops, HooksGetTheModelsAndTheirWeightsAsInAccelerate) {
+  TempDir dir;
+  torch::manual_seed(11);
+  torch::nn::Linear model(3, 2);
+  torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1));
+  Accelerator acc(ProjectConfiguration().project_dir(dir.path()));
+  acc.prepare(model, sgd);
+  const at::Tensor signature = model->weight.clone();
+  std::string loaded_class;
+  auto save_hook = acc.register_save_state_pre_hook(
+      [&](Accelerator::ModelList& models, std::vector<StateDict>& weights,
+          const std::string& output_dir) {
+        ASSERT_EQ(models.size(), 1u);
+        EXPECT_EQ(models[0].get(), model.ptr().get()) << "the prepared model itself";
+        ASSERT_EQ(weights.size(), 1u);
+        EXPECT_EQ(weights[0].keys(), (std::vector<std::string>{"weight", "bias"}));
+        EXPECT_TRUE(testing::bitwise_equal(weights[0].tensor("weight"), model->weight));
+        write_file_atomically(Env::posix(), output_dir + "/data.json",
+                              Json{{"class_name", models[0]->name()}}.dump());
+      });
+  auto load_hook = acc.register_load_state_pre_hook(
+      [&](Accelerator::ModelList& models, const std::string& input_dir) {
+        ASSERT_EQ(models.size(), 1u);
+        EXPECT_EQ(models[0].get(), model.ptr().get());
+        loaded_class = Json::parse(testing::read_bytes(input_dir + "/data.json"))["class_name"];
+      });
+  const std::string first = acc.save_state(dir / "first");
+  torch::NoGradGuard no_grad;
+  model->weight.uniform_();
+  ASSERT_FALSE(testing::bitwise_equal(model->weight, signature));
+  acc.load_state(first);
+  EXPECT_TRUE(testing::bitwise_equal(model->weight, signature));
+  EXPECT_EQ(loaded_class, "torch::nn::LinearImpl");
+  // Removed, they no longer run: no config in the next checkpoint, nothing read.
+  save_hook.remove();
+  load_hook.remove();
+  loaded_class.clear();
+  const std::string second = acc.save_state(dir / "second");
+  EXPECT_FALSE(std::filesystem::exists(second + "/data.json"));
+  model->weight.uniform_();
+  acc.load_state(second);
+  EXPECT_TRUE(testing::bitwise_equal(model->weight, signature));
+  EXPECT_EQ(loaded_class, "");
+}
+
+// The shape of diffusers' training scripts on Accelerate: the save hook saves one model its own
+// way and takes its state out of `weights`, so the checkpoint does not hold it twice; the load
+// hook loads it and takes it out of `models`. Both models come back bit for bit. A hook that
+// changes an entry changes what is written. Without the load hook the load fails, naming the
+// model state the checkpoint lacks; an asynchronous save refuses a hook that takes the weights.
+TEST(AccelerateLoops, AModelAHookSavesItselfIsNotWrittenTwice) {
+  TempDir dir;
+  torch::manual_seed(12);
+  torch::nn::Linear backbone(4, 3), head(3, 1);
+  Accelerator acc(ProjectConfiguration().project_dir(dir.path()));
+  acc.prepare(backbone, head);
+  auto saving = acc.register_save_state_pre_hook(
+      [](Accelerator::ModelList& models, std::vector<StateDict>& weights, const std::string& dir) {
+        torch::save(models.back(), dir + "/head.pt");
+        weights.pop_back();
+      });
+  auto loading = acc.register_load_state_pre_hook(
+      [](Accelerator::ModelList& models, const std::string& dir) {
+        torch::load(models.back(), dir + "/head.pt");
+        models.pop_back();
+      });
+  const at::Tensor backbone_weight = backbone->weight.clone(), head_weight = head->weight.clone();
+  const std::string saved = acc.save_state(dir / "ckpt");
+  EXPECT_TRUE(std::filesystem::exists(saved + "/model.safetensors"));
+  EXPECT_FALSE(std::filesystem::exists(saved + "/model_1.safetensors"));
+  EXPECT_TRUE(std::filesystem::exists(saved + "/head.pt"));
+  {
+    torch::NoGradGuard no_grad;
+    backbone->weight.uniform_();
+    head->weight.uniform_();
+  }
+  LoadStateReport report = acc.load_state(saved);
+  EXPECT_TRUE(testing::bitwise_equal(backbone->weight, backbone_weight));
+  EXPECT_TRUE(testing::bitwise_equal(head->weight, head_weight)) << "the hook's own load";
+  EXPECT_EQ(report.components, (std::vector<std::string>{"model", "random_states_0"}));
+
+  loading.remove();
+  testing::expect_error([&] { acc.load_state(saved); }, ErrorCode::Incompatible, {"model_1"});
+  EXPECT_TRUE(testing::bitwise_equal(backbone->weight, backbone_weight))
+      << "a failed load changes nothing";
+
+  saving.remove();
+  acc.register_save_state_pre_hook(
+      [](Accelerator::ModelList&, std::vector<StateDict>& weights, const std::string&) {
+        weights[1].set("bias", torch::full({1}, 7.0f));
+      });
+  const std::string changed = acc.save_state(dir / "changed");
+  acc.load_state(changed);
+  EXPECT_EQ(head->bias.item<float>(), 7.0f) << "the hook's entry was written";
+  EXPECT_TRUE(testing::bitwise_equal(head->weight, head_weight));
+  testing::expect_error([&] { acc.save_state_async(dir / "async"); }, ErrorCode::Unsupported,
+                        {"save_state_async()", "weights", "save_state()"});
+}
+
 TEST(AccelerateLoops, LibTorchStepLRResumesExactly) {
   constexpr int kEpochs = 7;
   auto run = [](const std::string& dir, int from, int save_at) {
@@ -458,6 +569,169 @@ TEST(AccelerateLoops, StepOnScaledGradientsFailsLoudly) {
       testing::expect_error([&] { acc.save_state(dir / "bad"); }, ErrorCode::InvalidArgument);
     }
   }
+}
+
+// The loop of Accelerate's guide with a GradScaler, as written: optimizer.step() on the object
+// prepare() returned unscales, skips the step whose gradients overflowed (step_was_skipped(), as
+// in Accelerate's test of it) and updates the scale. A reference loop written against the
+// GradScaler directly gives the same weights, gradients and scales, bit for bit.
+TEST(AccelerateLoops, TheGuidesLoopWithAScalerIsCorrectAsWritten) {
+  auto run = [](bool through_wrapper) {
+    torch::manual_seed(5);
+    torch::nn::Linear model(3, 2);
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+    GradScaler scaler(GradScalerOptions().growth_interval(2));  // 65536, as PyTorch's
+    TempDir dir;
+    Accelerator acc(ProjectConfiguration().project_dir(dir.path()));
+    auto [net, optimizer] = acc.prepare(model, sgd);
+    acc.prepare(scaler);
+    auto x = torch::randn({16, 3});
+    std::vector<double> scales;
+    std::vector<bool> skipped;
+    double largest_gradient = 0;
+    for (int i = 0; i < 6; ++i) {
+      // Iteration 2's loss overflows, so its step is skipped and the scale backs off.
+      auto loss = net->forward(x).pow(2).mean() * (i == 2 ? 1e38 : 1.0);
+      if (through_wrapper) {
+        optimizer.zero_grad();
+        acc.backward(loss);
+        optimizer.step();
+        skipped.push_back(optimizer.step_was_skipped());
+      } else {
+        sgd.zero_grad();
+        scaler.scale(loss).backward();
+        skipped.push_back(!scaler.step(sgd));
+        scaler.update();
+      }
+      if (i != 2) {
+        largest_gradient =
+            std::max(largest_gradient, model->weight.grad().abs().max().item<double>());
+      }
+      scales.push_back(scaler.get_scale());
+    }
+    if (through_wrapper) {
+      EXPECT_EQ(acc.save_state(dir / "ok"), dir / "ok") << "no scaled gradient left unconsumed";
+    }
+    return std::make_tuple(scales, skipped, largest_gradient, model->weight.clone(),
+                           model->weight.grad().clone());
+  };
+  auto [want_scales, want_skipped, want_largest, want_weight, want_grad] = run(false);
+  auto [scales, skipped, largest, weight, grad] = run(true);
+  EXPECT_EQ(skipped, (std::vector<bool>{false, false, true, false, false, false}));
+  EXPECT_EQ(skipped, want_skipped);
+  EXPECT_EQ(scales, want_scales);
+  EXPECT_EQ(want_scales, (std::vector<double>{65536, 131072, 65536, 65536, 131072, 131072}));
+  EXPECT_LT(largest, 100.0) << "the optimizer saw gradients still multiplied by the scale";
+  EXPECT_EQ(largest, want_largest);
+  EXPECT_TRUE(testing::bitwise_equal(weight, want_weight));
+  EXPECT_TRUE(testing::bitwise_equal(grad, want_grad));
+}
+
+// Accumulation as Accelerate's test of accumulate(): the loop calls optimizer.step() and
+// optimizer.zero_grad() on every iteration; the prepared optimizer steps and clears on every
+// second one only. The same run written the documented long way (acc.optimizer_step, zero only
+// when sync_gradients()) ends bit for bit alike, and the weights change on stepping iterations
+// only.
+TEST(AccelerateLoops, ThePreparedOptimizerStepsAndClearsOnlyWhenSynchronizing) {
+  auto run = [](bool through_wrapper) {
+    torch::manual_seed(6);
+    torch::nn::Linear model(3, 1);
+    torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
+    TempDir dir;
+    Accelerator acc(ProjectConfiguration().project_dir(dir.path()));
+    acc.set_gradient_accumulation_steps(2);
+    auto& optimizer = acc.prepare(adam);
+    acc.prepare(model);
+    std::vector<bool> changed;
+    for (int i = 0; i < 6; ++i) {
+      auto before = model->weight.clone();
+      auto accumulating = acc.accumulate();
+      acc.backward(model->forward(torch::full({4, 3}, 0.1 * (i + 1))).pow(2).mean());
+      if (through_wrapper) {
+        EXPECT_EQ(optimizer.step(), i % 2 == 1) << i;
+        EXPECT_FALSE(optimizer.step_was_skipped());
+        optimizer.zero_grad();
+      } else {
+        acc.optimizer_step(adam);
+        if (acc.sync_gradients()) adam.zero_grad();
+      }
+      changed.push_back(!testing::bitwise_equal(model->weight, before));
+    }
+    return std::make_pair(changed, model->weight.clone());
+  };
+  auto [want_changed, want_weight] = run(false);
+  auto [changed, weight] = run(true);
+  EXPECT_EQ(changed, (std::vector<bool>{false, true, false, true, false, true}));
+  EXPECT_EQ(changed, want_changed);
+  EXPECT_TRUE(testing::bitwise_equal(weight, want_weight));
+}
+
+// clip_grad_norm_ and clip_grad_value_ as Accelerate's: with a GradScaler they unscale first
+// (the norm returned is the true one), and the step does not unscale again; the reference
+// written against PyTorch's recipe (unscale_, clip, step, update) agrees bit for bit. On an
+// accumulating iteration with a scaler, clipping is refused with a message that says when to clip.
+TEST(AccelerateLoops, ClippingUnscalesFirstAsAccelerateDoes) {
+  for (bool by_value : {false, true}) {
+    SCOPED_TRACE(by_value ? "clip_grad_value_" : "clip_grad_norm_");
+    auto run = [by_value](bool through_accelerator) {
+      torch::manual_seed(8);
+      torch::nn::Linear model(3, 2);
+      torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1));
+      GradScaler scaler(GradScalerOptions().init_scale(4096));
+      TempDir dir;
+      Accelerator acc(ProjectConfiguration().project_dir(dir.path()));
+      auto& optimizer = acc.prepare(sgd);
+      acc.prepare(model, scaler);
+      std::vector<double> norms;
+      for (int i = 0; i < 3; ++i) {
+        auto loss = model->forward(torch::randn({8, 3}) * 10).pow(2).mean();
+        double norm = 0;
+        if (through_accelerator) {
+          optimizer.zero_grad();
+          acc.backward(loss);
+          if (by_value) {
+            acc.clip_grad_value_(model->parameters(), 0.5);
+          } else {
+            norm = acc.clip_grad_norm_(model->parameters(), 1.0);
+          }
+          optimizer.step();
+        } else {
+          sgd.zero_grad();
+          scaler.scale(loss).backward();
+          scaler.unscale_(sgd);
+          if (by_value) {
+            torch::nn::utils::clip_grad_value_(model->parameters(), 0.5);
+          } else {
+            norm = torch::nn::utils::clip_grad_norm_(model->parameters(), 1.0);
+          }
+          scaler.step(sgd);
+          scaler.update();
+        }
+        norms.push_back(norm);
+      }
+      return std::make_pair(norms, model->weight.clone());
+    };
+    auto [want_norms, want_weight] = run(false);
+    auto [norms, weight] = run(true);
+    EXPECT_EQ(norms, want_norms);
+    if (!by_value) {
+      EXPECT_GT(norms[0], 1.0) << "the test's gradients must be large enough to clip";
+    }
+    EXPECT_TRUE(testing::bitwise_equal(weight, want_weight));
+  }
+  TempDir dir;
+  Accelerator acc(ProjectConfiguration().project_dir(dir.path()));
+  torch::nn::Linear model(3, 1);
+  torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1));
+  GradScaler scaler;
+  acc.prepare(model, sgd, scaler);
+  acc.set_gradient_accumulation_steps(2);
+  auto accumulating = acc.accumulate();
+  acc.backward(model->forward(torch::ones({2, 3})).sum());
+  ASSERT_FALSE(acc.sync_gradients());
+  testing::expect_error([&] { acc.clip_grad_norm_(model->parameters(), 1.0); },
+                        ErrorCode::InvalidArgument,
+                        {"clip_grad_norm_()", "accumulates", "sync_gradients()"});
 }
 
 // Two optimizers under one GradScaler (a GAN's shape): optimizer_step({a, b}) is PyTorch's

@@ -68,13 +68,22 @@ struct LibTorchStepLR {
 namespace detail {
 // The hooks of one kind registered on an Accelerator, each with the id its handle removes.
 struct HookList : std::enable_shared_from_this<HookList> {
-  using Hook = std::function<void(const std::string&)>;
-  std::vector<std::pair<std::uint64_t, Hook>> hooks;
+  // The prepared models, the model states about to be written (a save hook's; null for a load
+  // hook) and the directory.
+  using Hook = std::function<void(std::vector<std::shared_ptr<torch::nn::Module>>&,
+                                  std::vector<StateDict>*, const std::string&)>;
+  struct Entry {
+    std::uint64_t id;
+    Hook hook;
+    bool sees_models;  // registered with the models (and weights): not only the directory
+  };
+  std::vector<Entry> hooks;
   std::uint64_t next_id = 1;
 
-  RemovableHandle add(Hook hook);
+  RemovableHandle add(Hook hook, bool sees_models);
   // The hooks registered now, in order (a copy: an asynchronous save runs them later).
   std::vector<Hook> snapshot() const;
+  bool any_sees_models() const;
 };
 }  // namespace detail
 
@@ -134,6 +143,61 @@ struct LoadStateReport {
   // Python-side state of a checkpoint written by Python Accelerate that has no C++ counterpart
   // and was not restored (Python's random module, NumPy's generator), one sentence each.
   std::vector<std::string> not_applicable;
+};
+
+class Accelerator;
+
+// What prepare(optimizer) returns, as Accelerate's AcceleratedOptimizer, so that the guide's
+// loop is correct as written:
+//   auto [model, optimizer] = acc.prepare(net, sgd);
+//   acc.prepare(scaler);                      // optional
+//   for (...) {
+//     optimizer.zero_grad();
+//     acc.backward(loss);
+//     optimizer.step();                       // through the Accelerator
+//   }
+// step() is acc.optimizer_step(): nothing on an iteration that accumulates (accumulate()); with
+// a prepared GradScaler it unscales, skips the step when a gradient holds an inf or NaN
+// (step_was_skipped() then says so) and updates the scale. zero_grad() clears the gradients
+// only on iterations that synchronize, as Accelerate's does, so a loop that zeroes every
+// iteration accumulates correctly. Call either step() or acc.optimizer_step() per iteration,
+// not both (that would step twice).
+// It converts to the optimizer itself (O&, so also torch::optim::Optimizer&) for schedulers
+// and functions that take one, and -> reaches the optimizer's other members. A handle: copies
+// refer to the same optimizer; use it only while its Accelerator lives.
+class AcceleratedOptimizerBase {
+ public:
+  // Steps through the Accelerator (see above). Returns whether the optimizer stepped.
+  bool step();
+  // Clears the gradients (LibTorch's zero_grad()) unless the current iteration accumulates.
+  void zero_grad();
+  // Whether the last step() on a synchronizing iteration was skipped because a gradient held
+  // an inf or NaN (only with a GradScaler), as Accelerate's step_was_skipped.
+  bool step_was_skipped() const { return step_was_skipped_; }
+  std::vector<torch::optim::OptimizerParamGroup>& param_groups() const {
+    return optimizer_->param_groups();
+  }
+  torch::optim::Optimizer& base() const { return *optimizer_; }
+
+ protected:
+  AcceleratedOptimizerBase(Accelerator& accelerator, torch::optim::Optimizer& optimizer,
+                           std::shared_ptr<void> keep_alive)
+      : accelerator_(&accelerator), optimizer_(&optimizer), keep_alive_(std::move(keep_alive)) {}
+
+  Accelerator* accelerator_;
+  torch::optim::Optimizer* optimizer_;
+  std::shared_ptr<void> keep_alive_;  // the optimizer, when it was prepared as a shared_ptr
+  bool step_was_skipped_ = false;
+};
+
+template <typename O>
+class AcceleratedOptimizer : public AcceleratedOptimizerBase {
+ public:
+  AcceleratedOptimizer(Accelerator& accelerator, O& optimizer, std::shared_ptr<void> keep_alive)
+      : AcceleratedOptimizerBase(accelerator, optimizer, std::move(keep_alive)) {}
+  O& optimizer() const { return static_cast<O&>(*optimizer_); }
+  O* operator->() const { return &optimizer(); }
+  operator O&() const { return optimizer(); }  // NOLINT: converts as Accelerate's wrapper passes
 };
 
 // Several processes (torchrun): the same program runs as every process, each with its own
@@ -228,22 +292,22 @@ class Accelerator {
   // it synchronizes: every n-th iteration, and the last batch of a prepared loader's epoch
   // (which also starts the count again). backward() divides the loss by n; on the other
   // iterations it only accumulates gradients, locally (as under no_sync()), and
-  // optimizer_step() returns false without stepping. optimizer.zero_grad() cannot be intercepted
-  // in C++: zero the gradients only when sync_gradients(). save_state() on an iteration that does
-  // not synchronize, or after a backward() under no_sync() that no synchronized backward()
-  // followed, throws InvalidArgument: the accumulated gradients are not part of a checkpoint,
-  // so a run resumed from it would silently lose them.
+  // optimizer_step() returns false without stepping. The optimizer prepare() returned does the
+  // same in its step(), and its zero_grad() clears nothing on those iterations (the raw
+  // optimizer cannot be intercepted: zero it only when sync_gradients()). save_state() on an
+  // iteration that does not synchronize, or after a backward() under no_sync() that no
+  // synchronized backward() followed, throws InvalidArgument: the accumulated gradients are not
+  // part of a checkpoint, so a run resumed from it would silently lose them.
   //
   // Example:
   //   acc.set_gradient_accumulation_steps(4);
+  //   auto& optimizer = acc.prepare(sgd);
   //   for (auto& batch : *loader) {
   //     auto accumulating = acc.accumulate();
   //     acc.backward(loss_of(batch));
-  //     acc.optimizer_step(optimizer);
-  //     if (acc.sync_gradients()) {
-  //       optimizer.zero_grad();
-  //       if (++updates % 100 == 0) acc.save_state();
-  //     }
+  //     optimizer.step();       // steps on every 4th iteration
+  //     optimizer.zero_grad();  // clears on those iterations only
+  //     if (acc.sync_gradients() && ++updates % 100 == 0) acc.save_state();
   //   }
   void set_gradient_accumulation_steps(int steps);
   int gradient_accumulation_steps() const { return accumulation_steps_; }
@@ -258,11 +322,13 @@ class Accelerator {
   std::int64_t step() const { return step_; }
 
   // Registers objects whose state save_state() writes and load_state() restores, and returns
-  // them unchanged, so `auto [model, opt, loader] = acc.prepare(model, opt, loader);` works.
-  // Accepts modules (ModuleHolder or shared_ptr), optimizers (shared_ptr, or a reference the
-  // caller keeps alive), ResumableDataLoader / ResumableSampler pointers, LR schedulers and a
-  // GradScaler (references or shared_ptr). Registration order names the files: model.safetensors,
-  // model_1.safetensors, ...
+  // them, so `auto [model, opt, loader] = acc.prepare(model, opt, loader);` works. Accepts
+  // modules (ModuleHolder or shared_ptr), optimizers (shared_ptr, or a reference the caller
+  // keeps alive), ResumableDataLoader / ResumableSampler pointers, LR schedulers and a
+  // GradScaler (references or shared_ptr). Each comes back as itself, except an optimizer O,
+  // which comes back as an AcceleratedOptimizer<O>& (a shared_ptr to one for a shared_ptr),
+  // whose step() goes through the Accelerator as Accelerate's wrapper does. Registration order
+  // names the files: model.safetensors, model_1.safetensors, ...
   template <typename... Ts>
   decltype(auto) prepare(Ts&&... objects) {
     if constexpr (sizeof...(Ts) == 1) {
@@ -281,8 +347,9 @@ class Accelerator {
   void backward(const at::Tensor& loss);
   // optimizer.step(), through the GradScaler (unscale, skip on inf/NaN, update) when one is
   // prepared. Returns whether the optimizer stepped. With a GradScaler prepared, the gradients
-  // after backward() are multiplied by the scale, so the optimizer must be stepped here. A loop
-  // that calls optimizer.step() instead fails loudly: save_state() throws InvalidArgument while
+  // after backward() are multiplied by the scale, so the optimizer must be stepped here or
+  // through the AcceleratedOptimizer that prepare() returned. A loop that steps the raw
+  // optimizer instead fails loudly: save_state() throws InvalidArgument while
   // a scaled backward() has not been consumed by optimizer_step() (so such a step never
   // reaches a checkpoint), and so does a backward() that finds the previous scaled gradients
   // cleared by zero_grad() without optimizer_step(). Gradient accumulation (several backward()
@@ -298,6 +365,28 @@ class Accelerator {
   //   acc.optimizer_step({generator_optimizer, discriminator_optimizer});
   std::vector<bool> optimizer_step(
       std::initializer_list<std::reference_wrapper<torch::optim::Optimizer>> optimizers);
+
+  // Accelerate's unscale_gradients(): with a prepared GradScaler, unscales the gradients of
+  // every prepared optimizer, so that they can be inspected or clipped; their next step does
+  // not unscale again. Nothing without a GradScaler, or on an iteration that accumulates.
+  void unscale_gradients();
+  // Accelerate's clip_grad_norm_: unscale_gradients(), then scales the gradients of
+  // `parameters` so that their total `norm_type` norm is at most `max_norm`
+  // (torch::nn::utils::clip_grad_norm_). Returns the total norm before clipping. With several
+  // processes backward() has already averaged the gradients, so every process clips alike.
+  // With a GradScaler, on an iteration that accumulates it throws InvalidArgument (the
+  // gradients are still scaled and partial): clip when sync_gradients(), as Accelerate's guide
+  // does.
+  //
+  // Example:
+  //   acc.backward(loss);
+  //   if (acc.sync_gradients()) acc.clip_grad_norm_(model->parameters(), 1.0);
+  //   optimizer.step();
+  double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm,
+                         double norm_type = 2.0);
+  // Accelerate's clip_grad_value_: unscale_gradients(), then clamps every gradient of
+  // `parameters` to [-clip_value, clip_value]. Errors as clip_grad_norm_.
+  void clip_grad_value_(const std::vector<at::Tensor>& parameters, double clip_value);
 
   // Registers objects saved as custom_checkpoint_<i> in registration order and restored by
   // load_state(): anything with state_dict()/load_state_dict(), and, as in Accelerate, modules
@@ -413,18 +502,41 @@ class Accelerator {
   // Save hooks run during save_state(), in the order registered, with the directory being
   // written (a temporary sibling of the output directory, renamed to it on commit), before the
   // components are written; files a hook writes there (save_pretrained-style configs) become
-  // part of the checkpoint: listed in its manifest with checksums and verified on load. Load
-  // hooks run with the input directory before a load. Each returns a handle whose remove()
-  // unregisters the hook, as Accelerate's RemovableHandle does.
+  // part of the checkpoint: listed in its manifest with checksums and verified on load, and
+  // gone with it when the save fails. Load hooks run with the input directory before a load.
+  // Each returns a handle whose remove() unregisters the hook, as Accelerate's RemovableHandle.
+  //
+  // As in Accelerate, a hook may also take the prepared models: a save hook
+  // (models, weights, dir), where weights[i] is the state of models[i] about to be written
+  // (its tensors are the model's own: replace entries, do not write into them); it may change,
+  // add or erase entries, and erase states from the vector — the states left are written as
+  // model, model_1, ... in their order, so a model the hook saved itself is not written twice.
+  // A load hook (models, dir) may erase models from its vector: the ones left are read from
+  // model, model_1, ... in their order, and the ones erased are not touched (the hook loaded
+  // them). Save and load hooks must agree, or load_state() fails naming the component that
+  // differs. save_state_async() refuses to run with a save hook that takes the weights (its
+  // tensors are staged before the hooks run): use save_state() or a directory-only hook.
   // Example:
   //   auto handle = acc.register_save_state_pre_hook([](const std::string& dir) { ... });
   //   handle.remove();  // later saves no longer run it
-  RemovableHandle register_save_state_pre_hook(std::function<void(const std::string&)> hook) {
-    return save_hooks_->add(std::move(hook));
-  }
-  RemovableHandle register_load_state_pre_hook(std::function<void(const std::string&)> hook) {
-    return load_hooks_->add(std::move(hook));
-  }
+  //   acc.register_save_state_pre_hook(
+  //       [](auto& models, std::vector<torchpoint::StateDict>& weights, const std::string& dir) {
+  //         torch::save(models.back(), dir + "/head.pt");  // saved its own way
+  //         weights.pop_back();                           // so not as model_<n>
+  //       });
+  //   acc.register_load_state_pre_hook([](auto& models, const std::string& dir) {
+  //     torch::load(models.back(), dir + "/head.pt");
+  //     models.pop_back();
+  //   });
+  using ModelList = std::vector<std::shared_ptr<torch::nn::Module>>;
+  RemovableHandle register_save_state_pre_hook(std::function<void(const std::string&)> hook);
+  RemovableHandle register_save_state_pre_hook(
+      std::function<void(ModelList& models, std::vector<StateDict>& weights,
+                         const std::string& output_dir)>
+          hook);
+  RemovableHandle register_load_state_pre_hook(std::function<void(const std::string&)> hook);
+  RemovableHandle register_load_state_pre_hook(
+      std::function<void(ModelList& models, const std::string& input_dir)> hook);
 
   // Accelerate's log(): records metric values (the latest value of each name is kept), which
   // the next save_state() writes into its manifest's metadata as "metrics", where
@@ -462,18 +574,27 @@ class Accelerator {
     add_model(module);
     return module;
   }
+  // An optimizer comes back wrapped (AcceleratedOptimizer<O>, owned by this Accelerator), or
+  // as a shared_ptr to one that keeps the optimizer alive.
   template <typename O>
-  requires std::is_base_of_v<torch::optim::Optimizer, O> O& prepare_one(O& optimizer) {
-    add_component("optimizer", AnyStateful::value(OptimizerAdapter{&optimizer, nullptr}));
-    watch(optimizer);
-    return optimizer;
+  requires std::is_base_of_v<torch::optim::Optimizer, O> AcceleratedOptimizer<O>& prepare_one(
+      O& optimizer) {
+    return *add_optimizer(optimizer, nullptr);
   }
   template <typename O>
-  requires std::is_base_of_v<torch::optim::Optimizer, O> std::shared_ptr<O> prepare_one(
-      std::shared_ptr<O> optimizer) {
-    add_component("optimizer", AnyStateful::value(OptimizerAdapter{optimizer.get(), optimizer}));
-    watch(*optimizer);
-    return optimizer;
+  requires std::is_base_of_v<torch::optim::Optimizer, O>
+      std::shared_ptr<AcceleratedOptimizer<O>> prepare_one(std::shared_ptr<O> optimizer) {
+    return add_optimizer(*optimizer, optimizer);
+  }
+  template <typename O>
+  std::shared_ptr<AcceleratedOptimizer<O>> add_optimizer(O& optimizer,
+                                                         std::shared_ptr<void> keep_alive) {
+    add_component("optimizer", AnyStateful::value(OptimizerAdapter{&optimizer, keep_alive}));
+    watch(optimizer);
+    optimizers_.push_back(&optimizer);
+    auto wrapped = std::make_shared<AcceleratedOptimizer<O>>(*this, optimizer, std::move(keep_alive));
+    wrapped_optimizers_.push_back(wrapped);
+    return wrapped;
   }
   template <typename S>
   requires std::is_base_of_v<LRScheduler, S> S& prepare_one(S& scheduler) {
@@ -525,6 +646,8 @@ class Accelerator {
   void register_one(std::shared_ptr<T> object) {
     if constexpr (std::is_base_of_v<torch::nn::Module, T>) {
       add_component("custom", AnyStateful::value(ModuleAdapter{std::move(object)}));
+    } else if constexpr (std::is_base_of_v<AcceleratedOptimizerBase, T>) {
+      add_component("custom", AnyStateful::value(OptimizerAdapter{&object->base(), object}));
     } else if constexpr (std::is_base_of_v<torch::optim::Optimizer, T>) {
       add_component("custom", AnyStateful::value(OptimizerAdapter{object.get(), object}));
     } else {
@@ -541,6 +664,8 @@ class Accelerator {
   void register_one(T& object) {
     if constexpr (detail::ModuleHolderType<T>) {
       add_component("custom", AnyStateful::value(ModuleAdapter{object.ptr()}));
+    } else if constexpr (std::is_base_of_v<AcceleratedOptimizerBase, T>) {
+      add_component("custom", AnyStateful::value(OptimizerAdapter{&object.base(), nullptr}));
     } else if constexpr (std::is_base_of_v<torch::optim::Optimizer, T>) {
       add_component("custom", AnyStateful::value(OptimizerAdapter{&object, nullptr}));
     } else {
@@ -569,6 +694,19 @@ class Accelerator {
   };
 
   void add_component(const std::string& kind, AnyStateful object);
+  // The models and model states the save hooks left.
+  struct SavedModels {
+    ModelList models;
+    std::vector<StateDict> weights;
+  };
+  // Runs the save hooks with the prepared models and their states, in `dir`.
+  void run_save_hooks(const std::vector<detail::HookList::Hook>& hooks, const std::string& dir,
+                      SavedModels& saved);
+  // components_ with its first `count` model components made by `model(j)` and the others left
+  // out: what a save or load sees after the hooks.
+  std::vector<Component> components_with_models(
+      std::size_t count, const std::function<AnyStateful(std::size_t)>& model) const;
+  struct HookedComponents;
   // A prepared model: a component, the parameters whose gradients backward() averages, and (with
   // several processes) given rank 0's parameters and buffers at once.
   void add_model(std::shared_ptr<torch::nn::Module> module);
@@ -618,6 +756,9 @@ class Accelerator {
   // backward() or optimizer step has followed: its gradients exist in this process only.
   bool unsynced_backward_ = false;
   std::vector<ResumableSampler*> samplers_;  // the prepared loaders' samplers
+  std::vector<torch::optim::Optimizer*> optimizers_;  // the prepared optimizers
+  // What prepare(optimizer) returned: held here so that a reference to one stays valid.
+  std::vector<std::shared_ptr<AcceleratedOptimizerBase>> wrapped_optimizers_;
   std::vector<Component> components_;
   GradScaler* scaler_ = nullptr;
   RngState rng_;

@@ -440,6 +440,20 @@ DirectorySave::~DirectorySave() = default;
 
 const std::string& DirectorySave::temp_path() const { return pending_->temp_path(); }
 
+void DirectorySave::set_component_names(const std::vector<std::string>& component_names) {
+  std::unordered_set<std::string> announced(component_names_.begin(), component_names_.end());
+  std::unordered_set<std::string> seen;
+  for (const std::string& name : component_names) {
+    if (!announced.count(name) || !seen.insert(name).second) {
+      throw Error(ErrorCode::InvalidArgument,
+                  fmt::format("component '{}' of checkpoint {} was not announced when the save "
+                              "began, or appears twice",
+                              name, path_));
+    }
+  }
+  component_names_ = component_names;
+}
+
 void DirectorySave::commit(const std::vector<WrittenComponent>& files, const CheckpointInfo& info) {
   // Each announced component arrives once: as one file, or as all its shards and its index.
   struct Parts {

@@ -63,6 +63,10 @@ class DirectorySave {
   DirectorySave& operator=(const DirectorySave&) = delete;
 
   const std::string& temp_path() const;
+  // After the save hooks have run: the components that will be written, a subset of those given
+  // at construction (a hook saved some itself). Throws InvalidArgument for a name not given
+  // then, or given twice.
+  void set_component_names(const std::vector<std::string>& component_names);
   // Every writer has written its files (`files`, in the order the manifest lists them): writes
   // the manifest last and commits. Throws InvalidArgument when `files` differs from the component
   // names given at construction. On failure nothing is committed and the destructor removes the

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 #include <torch/cuda.h>
+#include <torch/nn/utils/clip_grad.h>
 
 #include <algorithm>
 #include <atomic>
@@ -76,9 +77,9 @@ void load_libtorch_step_lr_state(torch::optim::StepLR& scheduler, const StateDic
 
 }  // namespace detail
 
-RemovableHandle detail::HookList::add(Hook hook) {
+RemovableHandle detail::HookList::add(Hook hook, bool sees_models) {
   const std::uint64_t id = next_id++;
-  hooks.emplace_back(id, std::move(hook));
+  hooks.push_back({id, std::move(hook), sees_models});
   // A weak reference: the handle may outlive the Accelerator.
   return RemovableHandle(weak_from_this(), id);
 }
@@ -86,15 +87,52 @@ RemovableHandle detail::HookList::add(Hook hook) {
 std::vector<detail::HookList::Hook> detail::HookList::snapshot() const {
   std::vector<Hook> out;
   out.reserve(hooks.size());
-  for (const auto& [id, hook] : hooks) out.push_back(hook);
+  for (const Entry& entry : hooks) out.push_back(entry.hook);
   return out;
+}
+
+bool detail::HookList::any_sees_models() const {
+  return std::any_of(hooks.begin(), hooks.end(), [](const Entry& e) { return e.sees_models; });
 }
 
 void RemovableHandle::remove() {
   std::shared_ptr<detail::HookList> list = list_.lock();
   if (!list) return;
-  std::erase_if(list->hooks, [&](const auto& entry) { return entry.first == id_; });
+  std::erase_if(list->hooks, [&](const auto& entry) { return entry.id == id_; });
   list_.reset();
+}
+
+RemovableHandle Accelerator::register_save_state_pre_hook(
+    std::function<void(const std::string&)> hook) {
+  return save_hooks_->add(
+      [hook = std::move(hook)](ModelList&, std::vector<StateDict>*, const std::string& dir) {
+        hook(dir);
+      },
+      /*sees_models=*/false);
+}
+
+RemovableHandle Accelerator::register_save_state_pre_hook(
+    std::function<void(ModelList&, std::vector<StateDict>&, const std::string&)> hook) {
+  return save_hooks_->add(
+      [hook = std::move(hook)](ModelList& models, std::vector<StateDict>* weights,
+                               const std::string& dir) { hook(models, *weights, dir); },
+      /*sees_models=*/true);
+}
+
+RemovableHandle Accelerator::register_load_state_pre_hook(
+    std::function<void(const std::string&)> hook) {
+  return load_hooks_->add(
+      [hook = std::move(hook)](ModelList&, std::vector<StateDict>*, const std::string& dir) {
+        hook(dir);
+      },
+      /*sees_models=*/false);
+}
+
+RemovableHandle Accelerator::register_load_state_pre_hook(
+    std::function<void(ModelList&, const std::string&)> hook) {
+  return load_hooks_->add([hook = std::move(hook)](ModelList& models, std::vector<StateDict>*,
+                                                   const std::string& dir) { hook(models, dir); },
+                          /*sees_models=*/true);
 }
 
 StateDict Accelerator::ModuleAdapter::state_dict() const { return module_state_dict(*module); }
@@ -352,6 +390,49 @@ std::vector<bool> Accelerator::optimizer_step(
     scaled_pending_ = false;
   }
   return stepped;
+}
+
+void Accelerator::unscale_gradients() {
+  if (scaler_ == nullptr || !sync_gradients_) return;
+  for (torch::optim::Optimizer* optimizer : optimizers_) scaler_->unscale_(*optimizer);
+}
+
+namespace {
+
+void check_clipping_allowed(const GradScaler* scaler, bool sync_gradients, const char* what) {
+  if (scaler == nullptr || !scaler->is_enabled() || sync_gradients) return;
+  throw Error(ErrorCode::InvalidArgument,
+              fmt::format("{}() on an iteration that accumulates (inside accumulate(), "
+                          "sync_gradients() is false): the gradients are still multiplied by the "
+                          "GradScaler's scale and hold only part of the step. Clip when "
+                          "acc.sync_gradients() is true, before the optimizer steps",
+                          what));
+}
+
+}  // namespace
+
+double Accelerator::clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm,
+                                    double norm_type) {
+  check_clipping_allowed(scaler_, sync_gradients_, "clip_grad_norm_");
+  unscale_gradients();
+  return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
+}
+
+void Accelerator::clip_grad_value_(const std::vector<at::Tensor>& parameters, double clip_value) {
+  check_clipping_allowed(scaler_, sync_gradients_, "clip_grad_value_");
+  unscale_gradients();
+  torch::nn::utils::clip_grad_value_(parameters, clip_value);
+}
+
+bool AcceleratedOptimizerBase::step() {
+  const bool synchronizing = accelerator_->sync_gradients();
+  const bool stepped = accelerator_->optimizer_step(*optimizer_);
+  step_was_skipped_ = synchronizing && !stepped;
+  return stepped;
+}
+
+void AcceleratedOptimizerBase::zero_grad() {
+  if (accelerator_->sync_gradients()) optimizer_->zero_grad();
 }
 
 bool Accelerator::optimizer_step(torch::optim::Optimizer& optimizer) {

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <exception>
 #include <map>
+#include <optional>
 
 #include "checkpoint/committed.h"
 #include "compat/torch_compat.h"
@@ -22,6 +23,7 @@
 #include "torchpoint/checkpoint_dir.h"
 #include "torchpoint/checkpoint_manager.h"
 #include "torchpoint/error.h"
+#include "torchpoint/module_state.h"
 #include "torchpoint/retention.h"
 #include "torchpoint/stateful_set.h"
 
@@ -37,7 +39,66 @@ std::string join_names(const std::vector<std::string>& names) {
   return out;
 }
 
+// A model's state as a save hook left it: written as it is.
+struct HookedModelState {
+  StateDict state;
+  StateDict state_dict() const { return state; }
+  void load_state_dict(const StateDict&) {
+    throw Error(ErrorCode::Unsupported, "a save hook's model state is never loaded into");
+  }
+};
+
 }  // namespace
+
+// For one save or load, the components and models the hooks left in place of the prepared
+// ones: swapped in at construction, swapped back at destruction (also when the save or load
+// throws), so that everything between sees and names only those.
+struct Accelerator::HookedComponents {
+  Accelerator& acc;
+  std::vector<Component> components;
+  ModelList models;
+
+  HookedComponents(Accelerator& a, std::vector<Component> c, ModelList m)
+      : acc(a), components(std::move(c)), models(std::move(m)) {
+    std::swap(acc.components_, components);
+    std::swap(acc.models_, models);
+  }
+  ~HookedComponents() {
+    std::swap(acc.components_, components);
+    std::swap(acc.models_, models);
+  }
+  HookedComponents(const HookedComponents&) = delete;
+  HookedComponents& operator=(const HookedComponents&) = delete;
+};
+
+std::vector<Accelerator::Component> Accelerator::components_with_models(
+    std::size_t count, const std::function<AnyStateful(std::size_t)>& model) const {
+  std::vector<Component> out;
+  std::size_t seen = 0;
+  for (const Component& c : components_) {
+    if (c.kind != "model") {
+      out.push_back(c);
+    } else if (seen < count) {
+      out.push_back({c.kind, model(seen++)});
+    } else {
+      ++seen;
+    }
+  }
+  return out;
+}
+
+void Accelerator::run_save_hooks(const std::vector<detail::HookList::Hook>& hooks,
+                                 const std::string& dir, SavedModels& saved) {
+  saved.models = models_;
+  for (const auto& m : models_) saved.weights.push_back(module_state_dict(*m));
+  for (const auto& hook : hooks) hook(saved.models, &saved.weights, dir);
+  if (saved.weights.size() > models_.size()) {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("a save hook left {} model states for {} prepared models: a hook may "
+                            "change or erase states, not add them",
+                            saved.weights.size(), models_.size()));
+  }
+}
 
 std::string Accelerator::checkpoints_dir() const {
   if (config_.project_dir().empty()) {
@@ -67,6 +128,13 @@ SaveHandle Accelerator::save_state_async(const std::string& output_dir, bool ove
     throw Error(ErrorCode::Unsupported,
                 "save_state_async() runs on one process only for now: with several processes, "
                 "call save_state()");
+  }
+  if (save_hooks_->any_sees_models()) {
+    throw Error(ErrorCode::Unsupported,
+                "save_state_async() with a save hook that takes the models and their weights: "
+                "the weights are staged before the hooks run in the background, so a hook's "
+                "changes could not reach the checkpoint. Call save_state(), or register a hook "
+                "that takes the directory only");
   }
   if (!async_) async_ = std::make_unique<AsyncCheckpointer>(env_);
   SaveHandle handle;
@@ -107,12 +175,6 @@ std::string Accelerator::begin_save(const std::string& output_dir) {
 SaveDirectoryOptions Accelerator::directory_options(bool overwrite) const {
   SaveDirectoryOptions options;
   options.overwrite = overwrite;
-  if (!save_hooks_->hooks.empty()) {
-    // A copy: an asynchronous save runs them while the loop may register or remove some.
-    options.before_components = [hooks = save_hooks_->snapshot()](const std::string& dir) {
-      for (const auto& hook : hooks) hook(dir);
-    };
-  }
   options.shard_size = config_.shard_size();
   if (config_.incremental()) options.link_from = last_checkpoint_;
   // The tensors no optimizer step changes: frozen parameters and buffers (Accelerate's and
@@ -139,19 +201,31 @@ std::string Accelerator::save_state_with(const std::string& output_dir, bool ove
   const std::string path = begin_save(output_dir);
 
   std::vector<std::string> names = component_names();
-  std::vector<torchpoint::Component> files;
-  files.reserve(components_.size() + 1);
-  for (std::size_t i = 0; i < components_.size(); ++i) {
-    files.push_back({names[i], components_[i].object.state_dict().to_container()});
-  }
-  files.push_back({random_states_name(0), rng_.state_dict().to_container()});
+  SaveDirectoryOptions options = directory_options(overwrite);
   CheckpointInfo info;
   info.step = step_;
   info.iteration = config_.iteration();
-  info.metadata = {{"accelerator", {{"step", step_}, {"components", names}}}};
   if (!logged_metrics_.empty()) info.metadata["metrics"] = logged_metrics_;
-  SaveDirectoryOptions options = directory_options(overwrite);
+  auto files_of = [&](const std::vector<std::string>& stems) {
+    std::vector<torchpoint::Component> files;
+    files.reserve(components_.size() + 1);
+    for (std::size_t i = 0; i < components_.size(); ++i) {
+      files.push_back({stems[i], components_[i].object.state_dict().to_container()});
+    }
+    files.push_back({random_states_name(0), rng_.state_dict().to_container()});
+    return files;
+  };
   if (saver != nullptr) {
+    // The hooks take the directory only (save_state_async checked): they run in the background
+    // on a copy of the list, while the loop may register or remove some.
+    if (!save_hooks_->hooks.empty()) {
+      options.before_components = [hooks = save_hooks_->snapshot()](const std::string& dir) {
+        ModelList none;
+        for (const auto& hook : hooks) hook(none, nullptr, dir);
+      };
+    }
+    info.metadata["accelerator"] = {{"step", step_}, {"components", names}};
+    std::vector<torchpoint::Component> files = files_of(names);
     std::function<void()> after_commit;
     if (automatic) after_commit = [this, path] { apply_total_limit(path); };
     *handle = saver->save_directory(path, files, info, options, std::move(after_commit));
@@ -160,7 +234,38 @@ std::string Accelerator::save_state_with(const std::string& output_dir, bool ove
     last_checkpoint_ = path;
     return path;
   }
-  save_directory(path, files, info, env_, options);
+  // Synchronous: the hooks run in the checkpoint's temporary directory with the models and their
+  // states; the components are what they left.
+  SavedModels saved;
+  if (!save_hooks_->hooks.empty()) {
+    options.before_components = [&, hooks = save_hooks_->snapshot()](const std::string& dir) {
+      run_save_hooks(hooks, dir, saved);
+    };
+  }
+  {
+    std::vector<std::string> all = names;
+    all.push_back(random_states_name(0));
+    DirectorySave save(env_, path, all, options);
+    std::optional<HookedComponents> hooked;
+    if (!save_hooks_->hooks.empty()) {
+      hooked.emplace(*this,
+                     components_with_models(saved.weights.size(),
+                                            [&](std::size_t j) {
+                                              return AnyStateful::value(
+                                                  HookedModelState{saved.weights[j]});
+                                            }),
+                     ModelList(models_.begin(),
+                               models_.begin() + static_cast<std::ptrdiff_t>(saved.weights.size())));
+      names = component_names();
+      all = names;
+      all.push_back(random_states_name(0));
+      save.set_component_names(all);
+    }
+    info.metadata["accelerator"] = {{"step", step_}, {"components", names}};
+    LinkSource link_source(env_, options.link_from);
+    save.commit(write_components(env_, save.temp_path(), files_of(names), options, &link_source),
+                info);
+  }  // releases the lock before retention takes it
   last_checkpoint_ = path;
 
   if (automatic) {
@@ -174,8 +279,17 @@ std::string Accelerator::save_state_distributed(const std::string& output_dir, b
   const bool automatic = output_dir.empty();
   const std::string path = begin_save(output_dir);
   const int rank = group_->rank(), world = group_->size();
-  const std::vector<std::string> names = component_names();
-  const SaveDirectoryOptions options = directory_options(overwrite);
+  std::vector<std::string> names = component_names();
+  SaveDirectoryOptions options = directory_options(overwrite);
+  // The main process runs the save hooks, in the temporary directory, with the models and their
+  // states; it writes the components they left.
+  SavedModels saved;
+  if (rank == 0 && !save_hooks_->hooks.empty()) {
+    options.before_components = [&, hooks = save_hooks_->snapshot()](const std::string& dir) {
+      run_save_hooks(hooks, dir, saved);
+    };
+  }
+  std::optional<HookedComponents> hooked;
 
   // 1. The main process opens the checkpoint: the lock, a temporary directory, the save hooks.
   std::unique_ptr<DirectorySave> save;
@@ -184,6 +298,21 @@ std::string Accelerator::save_state_distributed(const std::string& output_dir, b
         std::vector<std::string> all = names;
         for (int r = 0; r < world; ++r) all.push_back(random_states_name(r));
         save = std::make_unique<DirectorySave>(env_, path, all, options);
+        if (!save_hooks_->hooks.empty()) {
+          hooked.emplace(*this,
+                         components_with_models(saved.weights.size(),
+                                                [&](std::size_t j) {
+                                                  return AnyStateful::value(
+                                                      HookedModelState{saved.weights[j]});
+                                                }),
+                         ModelList(models_.begin(),
+                                   models_.begin() +
+                                       static_cast<std::ptrdiff_t>(saved.weights.size())));
+          names = component_names();
+          all = names;
+          for (int r = 0; r < world; ++r) all.push_back(random_states_name(r));
+          save->set_component_names(all);
+        }
         return Json{{"dir", save->temp_path()}, {"path", path}}.dump();
       },
       "save_state(): opening the checkpoint directory"));
@@ -238,6 +367,7 @@ std::string Accelerator::save_state_distributed(const std::string& output_dir, b
         return "";
       },
       "save_state(): committing the checkpoint");
+  hooked.reset();
   last_checkpoint_ = opened.at("path").get<std::string>();
   return last_checkpoint_;
 }
@@ -468,7 +598,22 @@ LoadStateReport Accelerator::load_state(const std::string& input_dir) {
   wait_for_checkpoint();
   Loading loading(*this);
   loading.choose(input_dir);
-  for (const auto& hook : load_hooks_->snapshot()) hook(loading.path);
+  // The hooks may take models out of the list (they loaded them): the ones left are read from
+  // model, model_1, ... in their order.
+  ModelList models = models_;
+  for (const auto& hook : load_hooks_->snapshot()) hook(models, nullptr, loading.path);
+  std::optional<HookedComponents> hooked;
+  if (models != models_) {
+    if (models.size() > models_.size()) {
+      throw Error(ErrorCode::InvalidArgument,
+                  fmt::format("a load hook left {} models for {} prepared ones: a hook may take "
+                              "models out of the list, not add them",
+                              models.size(), models_.size()));
+    }
+    hooked.emplace(*this, components_with_models(models.size(), [&](std::size_t j) {
+      return AnyStateful::value(ModuleAdapter{models[j]});
+    }), models);
+  }
   if (is_accelerate_checkpoint(loading.path, env_)) {
     return load_accelerate_state(loading.path, std::move(loading.report));
   }
