@@ -86,9 +86,10 @@ done
 lock_dir=/run/lock
 [[ -d $lock_dir ]] || lock_dir=/tmp
 exec 9>"$lock_dir/torchpoint-deb-test.lock"
-flock -w 900 9 || fail "another deb_package test held $lock_dir/torchpoint-deb-test.lock for 15 minutes"
+flock -w 300 9 || fail "another deb_package test held $lock_dir/torchpoint-deb-test.lock for 5 minutes"
 marker=/var/tmp/torchpoint-deb-test.installed
-apt_options=(-y -q --no-install-recommends -o DPkg::Lock::Timeout=300)
+apt_options=(-y -q --no-install-recommends -o DPkg::Lock::Timeout=120)
+export DEBIAN_FRONTEND=noninteractive
 known() { dpkg-query -W -f='${db:Status-Abbrev}' torchpoint 2>/dev/null | grep -qv '^un'; }
 if [[ -f $marker ]]; then
   echo "deb_package: removing the torchpoint package a killed run of this test left installed"
