@@ -24,6 +24,12 @@ endforeach()
 run(${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/consumer -B ${WORK_DIR}/build -G ${GENERATOR}
     -DCMAKE_PREFIX_PATH=${WORK_DIR}/moved -DTorch_DIR=${TORCH_DIR} -DCMAKE_BUILD_TYPE=Release
     -DCMAKE_CXX_COMPILER=${CXX_COMPILER} "-DCMAKE_EXE_LINKER_FLAGS=${LINK_FLAGS}")
+# The moved prefix, never another torchpoint the system has (the deb_package test installs one
+# into /usr while this test may run).
+file(STRINGS ${WORK_DIR}/build/CMakeCache.txt found REGEX "^torchpoint_DIR:")
+if(NOT found MATCHES "^torchpoint_DIR:PATH=${WORK_DIR}/moved/")
+  message(FATAL_ERROR "find_package(torchpoint) did not find the moved prefix: ${found}")
+endif()
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 run(${WORK_DIR}/build/consumer ${WORK_DIR})
 # The installed CLI, from the moved prefix, with no LD_LIBRARY_PATH: it finds LibTorch by its
