@@ -9,8 +9,18 @@
 //   accelerate_interop_child train PROJECT BATCHES STEPS MORE OUT EXPORT
 //       a fresh run: STEPS steps, save_state() under PROJECT, export_accelerate_checkpoint of
 //       that checkpoint to EXPORT, then MORE steps; OUT as above (start.* at the save).
+//   accelerate_interop_child relay SCHEDULER DIR BATCHES FROM STEPS PROJECT EXPORT OUT
+//       the middle of tests/python/accelerate_scheduler_check.py's relay: SGD with two param
+//       groups and the scheduler SCHEDULER built with other options than the Python run's (the
+//       loaded state must carry them all), load_state(DIR), STEPS steps on batches FROM, ...,
+//       save_state(PROJECT) and export it to EXPORT (not for LibTorch's StepLR, whose
+//       options are private). OUT: the parameters after the load (start.*) and after the
+//       steps (end.*), each step's learning rates and momenta (lrs, momenta [STEPS, 2]) and
+//       losses; OUT.json: the export's error, if any.
 #include <fmt/format.h>
 #include <torch/torch.h>
+
+#include <torch/optim/schedulers/step_lr.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -166,6 +176,107 @@ int run_train(const std::string& project, const std::string& batches_path, int s
   return 0;
 }
 
+// --- relay -----------------------------------------------------------------------------------
+
+// The Python run's optimizer: SGD with momentum, weights and biases in two groups.
+std::shared_ptr<torch::optim::SGD> two_group_sgd(const torch::nn::Sequential& model) {
+  std::vector<at::Tensor> weights, biases;
+  for (const auto& p : model->named_parameters()) {
+    (p.key().ends_with("weight") ? weights : biases).push_back(p.value());
+  }
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(weights);
+  groups.emplace_back(biases, std::make_unique<torch::optim::SGDOptions>(
+                                  torch::optim::SGDOptions(0.02).momentum(0.9)));
+  return std::make_shared<torch::optim::SGD>(groups, torch::optim::SGDOptions(0.05).momentum(0.9));
+}
+
+// Each scheduler of the relay, with options that differ from the Python run's in every field
+// the state carries (LibTorch's StepLR excepted: its options are not in its state).
+std::unique_ptr<tp::LRScheduler> decoy_scheduler(const std::string& name,
+                                                 torch::optim::Optimizer& opt) {
+  if (name == "StepLR") return std::make_unique<tp::StepLR>(opt, tp::StepLROptions(7).gamma(0.9));
+  if (name == "MultiStepLR") {
+    return std::make_unique<tp::MultiStepLR>(opt, tp::MultiStepLROptions({1}).gamma(0.9));
+  }
+  if (name == "ExponentialLR") {
+    return std::make_unique<tp::ExponentialLR>(opt, tp::ExponentialLROptions(0.5));
+  }
+  if (name == "CosineAnnealingLR") {
+    return std::make_unique<tp::CosineAnnealingLR>(opt, tp::CosineAnnealingLROptions(9));
+  }
+  if (name == "LinearLR") return std::make_unique<tp::LinearLR>(opt);
+  if (name.starts_with("OneCycleLR")) {
+    return std::make_unique<tp::OneCycleLR>(opt, tp::OneCycleLROptions(1.0, 100));
+  }
+  if (name.starts_with("ReduceLROnPlateau")) return std::make_unique<tp::ReduceLROnPlateau>(opt);
+  throw tp::Error(tp::ErrorCode::InvalidArgument, "relay: unknown scheduler " + name);
+}
+
+int run_relay(const std::string& name, const std::string& dir, const std::string& batches_path,
+              int from, int steps, const std::string& project, const std::string& export_dir,
+              const std::string& out_path) {
+  torch::nn::Sequential model{torch::nn::Linear(4, 8), torch::nn::ReLU(), torch::nn::Linear(8, 2)};
+  auto sgd = two_group_sgd(model);
+  tp::Accelerator acc;
+  std::unique_ptr<tp::LRScheduler> ours;
+  std::unique_ptr<torch::optim::StepLR> libtorch;
+  if (name == "libtorch_StepLR") {
+    libtorch = std::make_unique<torch::optim::StepLR>(*sgd, 3, 0.5);
+    acc.prepare(model, sgd, *libtorch);
+  } else {
+    ours = decoy_scheduler(name, *sgd);
+    acc.prepare(model, sgd, *ours);
+  }
+  acc.load_state(dir);
+  tp::StateDict out;
+  for (const auto& p : model->named_parameters()) {
+    out.set("start." + p.key(), p.value().detach().clone());
+  }
+  tp::StateDict batches =
+      tp::StateDict::from_container(tp::load_safetensors(batches_path).contents);
+  at::Tensor lrs = torch::zeros({steps, 2}, torch::kDouble);
+  at::Tensor momenta = torch::zeros({steps, 2}, torch::kDouble);
+  at::Tensor losses = torch::zeros({steps}, torch::kDouble);
+  for (int k = 0; k < steps; ++k) {
+    at::Tensor loss = torch::mse_loss(model->forward(batches.tensor(fmt::format("x{}", from + k))),
+                                      batches.tensor(fmt::format("y{}", from + k)));
+    acc.backward(loss);
+    sgd->step();
+    const double value = loss.item<double>();
+    if (libtorch) {
+      libtorch->step();
+    } else if (auto* plateau = dynamic_cast<tp::ReduceLROnPlateau*>(ours.get())) {
+      plateau->step(value);
+    } else {
+      ours->step();
+    }
+    sgd->zero_grad();
+    losses[k] = value;
+    for (int g = 0; g < 2; ++g) {
+      auto& options = static_cast<torch::optim::SGDOptions&>(sgd->param_groups()[g].options());
+      lrs[k][g] = options.lr();
+      momenta[k][g] = options.momentum();
+    }
+  }
+  for (const auto& p : model->named_parameters()) {
+    out.set("end." + p.key(), p.value().detach().clone());
+  }
+  out.set("lrs", lrs);
+  out.set("momenta", momenta);
+  out.set("losses", losses);
+  tp::Json json = tp::Json::object();
+  const std::string saved = acc.save_state(project);
+  try {
+    tp::export_accelerate_checkpoint(saved, export_dir);
+  } catch (const tp::Error& e) {
+    json["export_error"] = e.what();
+  }
+  tp::save_file(out_path, out.to_container());
+  std::ofstream(out_path + ".json") << json.dump(2);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -177,9 +288,15 @@ int main(int argc, char** argv) {
     if (mode == "train" && argc == 8) {
       return run_train(argv[2], argv[3], std::stoi(argv[4]), std::stoi(argv[5]), argv[6], argv[7]);
     }
+    if (mode == "relay" && argc == 10) {
+      return run_relay(argv[2], argv[3], argv[4], std::stoi(argv[5]), std::stoi(argv[6]), argv[7],
+                       argv[8], argv[9]);
+    }
     std::fprintf(stderr,
                  "usage: accelerate_interop_child continue DIR BATCHES FROM STEPS OUT\n"
-                 "       accelerate_interop_child train PROJECT BATCHES STEPS MORE OUT EXPORT\n");
+                 "       accelerate_interop_child train PROJECT BATCHES STEPS MORE OUT EXPORT\n"
+                 "       accelerate_interop_child relay SCHEDULER DIR BATCHES FROM STEPS PROJECT "
+                 "EXPORT OUT\n");
     return 2;
   } catch (const tp::Error& e) {
     std::fprintf(stderr, "accelerate_interop_child: %s\n", e.what());

@@ -528,6 +528,17 @@ TEST(AccelerateLoops, LibTorchStepLRResumesExactly) {
   EXPECT_EQ(resumed_lrs, std::vector<double>(whole_lrs.begin() + 4, whole_lrs.end()));
   EXPECT_TRUE(testing::bitwise_equal(resumed_weight, whole_weight));
   EXPECT_EQ(whole_lrs.back(), 0.1 * 0.125) << "the schedule did decay";
+
+  // Its options are recorded too: LibTorch cannot change them, so a StepLR built with others
+  // is refused, naming both, rather than continue another schedule.
+  Accelerator acc;
+  torch::nn::Linear model(3, 1);
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
+  torch::optim::StepLR other(optimizer, /*step_size=*/3, /*gamma=*/0.5);
+  acc.prepare(model, optimizer, other);
+  testing::expect_error([&] { acc.load_state(dir.path() + "/epoch_3"); }, ErrorCode::Incompatible,
+                        {"StepLR(step_size 2, gamma 0.5)", "this one has step_size 3, gamma 0.5",
+                         "cannot change"});
 }
 
 // The guide's loop with a GradScaler prepared: acc.backward(loss) scales the loss, so a plain

@@ -35,7 +35,9 @@ struct AccelerateExport {
 // scheduler.bin, scaler.pt, custom_checkpoint_<i>.pkl and random_states_<rank>.pkl, every pickle within
 // what torch.load(weights_only=True) accepts (plus the NumPy globals Accelerate allows for its
 // RNG file). Python's accelerator.load_state(output_dir) then restores the model, optimizer
-// (Adam, AdamW, SGD, RMSprop, Adagrad), scheduler (torchpoint's, which mirror PyTorch's), the
+// (Adam, AdamW, SGD, RMSprop, Adagrad), scheduler (torchpoint's, which mirror PyTorch's, and
+// torch::optim::StepLR; OneCycleLR's values go into the optimizer's param groups, where torch
+// keeps them; the README's interop section has the mapping), the
 // GradScaler, the custom objects' state dicts, the step and torch's CPU generator exactly. Python's random and
 // NumPy generators, which a C++ run does not have, get MT19937 states seeded with the low 32
 // bits of torch's seed.
@@ -43,7 +45,8 @@ struct AccelerateExport {
 // Every file is written, fsynced and then the directory renamed into place, so `output_dir`
 // either holds the whole export or does not exist. Throws InvalidArgument when `output_dir`
 // exists, Unsupported naming a component Accelerate cannot hold (an LBFGS optimizer, a
-// LibTorch scheduler whose options are not readable), and the errors of load_directory for the
+// torch::optim::StepLR saved before its options were recorded), and the errors of
+// load_directory for the
 // checkpoint.
 //
 // Example:

@@ -55,7 +55,8 @@ template <typename T>
 concept ModuleHolderType =
     std::is_base_of_v<torch::nn::ModuleHolder<typename T::ContainedType>, T>;
 // A LibTorch LR scheduler whose state torchpoint can read whole: torch::optim::StepLR, whose
-// only state is the step count of its base class (the learning rates live in the optimizer).
+// state is the step count of its base class and its options (the learning rates live in the
+// optimizer). The options are recorded so that a StepLR built with others is refused.
 StateDict libtorch_step_lr_state(const torch::optim::StepLR& scheduler);
 void load_libtorch_step_lr_state(torch::optim::StepLR& scheduler, const StateDict& state);
 struct LibTorchStepLR {

@@ -50,11 +50,6 @@ PyValue from_json(const Json& j) {
   return dict;
 }
 
-PyValue entry_value(const StateDict::Value& v) {
-  if (const at::Tensor* t = std::get_if<at::Tensor>(&v)) return PyValue::of(*t);
-  return from_json(std::get<Json>(v));
-}
-
 // The options Python's optimizer of `type` keeps in every param group besides the arithmetic
 // ones torchpoint records, at their defaults.
 void python_only_options(const std::string& type, PyValue& group) {
@@ -70,8 +65,11 @@ void python_only_options(const std::string& type, PyValue& group) {
   }
 }
 
-PyValue optimizer_to_python(const StateDict& sd, const std::vector<double>& initial_lrs,
-                            const std::string& where) {
+// `group_keys`: what the optimizer's scheduler keeps in each param group (none without one).
+PyValue optimizer_to_python(
+    const StateDict& sd,
+    const std::vector<std::vector<std::pair<std::string, PyValue>>>& group_keys,
+    const std::string& where) {
   const std::string type = sd.get<std::string>("type");
   if (type == "LBFGS" || type.empty()) {
     throw Error(ErrorCode::Unsupported,
@@ -94,8 +92,8 @@ PyValue optimizer_to_python(const StateDict& sd, const std::vector<double>& init
       group.set(key, std::move(v));
     }
     python_only_options(type, group);
-    if (static_cast<std::size_t>(g) < initial_lrs.size()) {
-      group.set("initial_lr", PyValue::of(initial_lrs[g]));
+    if (static_cast<std::size_t>(g) < group_keys.size()) {
+      for (const auto& [key, value] : group_keys[g]) group.set(key, value);
     }
     PyValue params = PyValue::list({});
     const auto n = sd.get<std::int64_t>(p + "num_params");
@@ -123,47 +121,6 @@ PyValue optimizer_to_python(const StateDict& sd, const std::vector<double>& init
   PyValue out = PyValue::dict();
   out.set("state", std::move(state));
   out.set("param_groups", std::move(groups));
-  return out;
-}
-
-PyValue scheduler_to_python(const StateDict& sd, const std::string& where) {
-  const std::string type = sd.get<std::string>("type");
-  if (type.starts_with("torch::optim::")) {
-    throw Error(ErrorCode::Unsupported,
-                fmt::format("{}: LibTorch's {} does not expose its options, so Python's "
-                            "scheduler cannot be given them; use torchpoint's scheduler of the "
-                            "same name",
-                            where, type));
-  }
-  PyValue out = PyValue::dict();
-  for (const auto& [key, value] : sd.entries()) {
-    if (key == "type") continue;
-    const std::string python = key == "step_count" ? "_step_count"
-                               : key == "last_lrs" ? "_last_lr"
-                                                   : key;
-    PyValue v = entry_value(value);
-    if (v.is(Kind::kTensor) && v.tensor.numel() == 1 && v.tensor.scalar_type() == at::kDouble) {
-      v = PyValue::of(v.tensor.item<double>());  // a non-finite float (ReduceLROnPlateau's best)
-    }
-    if (key == "milestones" && v.is(Kind::kList)) {
-      PyValue counter = PyValue::dict();
-      counter.type = "Counter";
-      for (const PyValue& m : v.items) {
-        bool found = false;
-        for (auto& [k, times] : counter.entries) {
-          if (k.integer == m.integer) {
-            ++times.integer;
-            found = true;
-          }
-        }
-        if (!found) counter.entries.push_back({m, PyValue::of(std::int64_t{1})});
-      }
-      v = std::move(counter);
-    }
-    out.set(python, std::move(v));
-  }
-  out.set("_is_initial", PyValue::of(false));
-  out.set("_get_lr_called_within_step", PyValue::of(false));
   return out;
 }
 
@@ -223,6 +180,11 @@ PyValue rng_to_python(const StateDict& sd, std::int64_t step, const std::string&
 
 }  // namespace
 
+PyValue entry_value(const StateDict::Value& v) {
+  if (const at::Tensor* t = std::get_if<at::Tensor>(&v)) return PyValue::of(*t);
+  return from_json(std::get<Json>(v));
+}
+
 }  // namespace detail
 
 AccelerateExport export_accelerate_checkpoint(const std::string& checkpoint_dir,
@@ -234,15 +196,32 @@ AccelerateExport export_accelerate_checkpoint(const std::string& checkpoint_dir,
                 fmt::format("{} exists; export into a new directory", output_dir));
   }
   AccelerateExport report;
-  std::vector<double> initial_lrs;
-  // Python's schedulers set each param group's initial_lr: from the first scheduler's base_lrs.
+  // Each scheduler goes with an optimizer (scheduler_<i> with optimizer_<i>, a registered one
+  // with the only optimizer): Python keeps some of its values in that optimizer's param groups.
+  std::vector<std::string> optimizers;
+  std::map<std::string, StateDict> optimizer_states;
   for (const Component& c : checkpoint.components) {
-    if (c.name != "scheduler" && !c.name.starts_with(detail::kCustomPrefix)) continue;
+    if (detail::component_kind(c.name) != "optimizer") continue;
+    optimizers.push_back(c.name);
+    optimizer_states[c.name] = StateDict::from_container(c.contents);
+  }
+  std::map<std::string, detail::PyValue> scheduler_files;  // by the scheduler's name
+  using GroupKeys = std::vector<std::vector<std::pair<std::string, PyValue>>>;
+  std::map<std::string, GroupKeys> group_keys;  // by the optimizer's name
+  for (const Component& c : checkpoint.components) {
+    const std::string kind = detail::component_kind(c.name);
+    if (kind != "scheduler" && kind != "custom") continue;
     StateDict s = StateDict::from_container(c.contents);
-    if (detail::is_scheduler_state(s) && s.contains("base_lrs")) {
-      initial_lrs = s.get<std::vector<double>>("base_lrs");
-      break;
+    if (kind == "custom" && !detail::is_scheduler_state(s)) continue;
+    s.set_description(fmt::format("{}: {}", checkpoint_dir, c.name));
+    const std::string optimizer = detail::paired_optimizer_name(c.name, optimizers);
+    detail::PythonScheduler py = detail::scheduler_to_python(
+        s, s.description(), optimizer.empty() ? nullptr : &optimizer_states[optimizer]);
+    report.notes.insert(report.notes.end(), py.notes.begin(), py.notes.end());
+    if (!optimizer.empty() && !group_keys.contains(optimizer)) {
+      group_keys[optimizer] = py.group_keys;
     }
+    scheduler_files[c.name] = std::move(py.state);
   }
   PendingDir pending(env, output_dir);
   for (const Component& c : checkpoint.components) {
@@ -270,13 +249,13 @@ AccelerateExport export_accelerate_checkpoint(const std::string& checkpoint_dir,
         }
         file = "scaler.pt";
       } else if (kind == "optimizer") {
-        value = detail::optimizer_to_python(sd, initial_lrs, where);
+        value = detail::optimizer_to_python(sd, group_keys[c.name], where);
         file = c.name + ".bin";
       } else if (kind == "scheduler") {
-        value = detail::scheduler_to_python(sd, where);
+        value = scheduler_files.at(c.name);
         file = c.name + ".bin";
       } else if (kind == "custom" && detail::is_scheduler_state(sd)) {
-        value = detail::scheduler_to_python(sd, where);
+        value = scheduler_files.at(c.name);
         file = c.name + ".pkl";
       } else if (kind == "custom") {
         value = PyValue::dict();

@@ -27,6 +27,48 @@
 
 namespace torchpoint {
 namespace detail {
+
+Json to_json(const PyValue& v, const std::string& where) {
+  switch (v.kind) {
+    case Kind::kNone:
+      return nullptr;
+    case Kind::kBool:
+      return v.boolean;
+    case Kind::kInt:
+      return v.integer;
+    case Kind::kFloat:
+      return v.number;
+    case Kind::kStr:
+      return v.text;
+    case Kind::kTuple:
+    case Kind::kList: {
+      Json out = Json::array();
+      for (std::size_t i = 0; i < v.items.size(); ++i) {
+        out.push_back(to_json(v.items[i], fmt::format("{}[{}]", where, i)));
+      }
+      return out;
+    }
+    case Kind::kDict: {
+      Json out = Json::object();
+      for (const auto& [k, value] : v.entries) {
+        if (!k.is(Kind::kStr)) {
+          throw Error(ErrorCode::Unsupported,
+                      fmt::format("{}: a dict key of type {} (only str keys are read)", where,
+                                  k.type_name()));
+        }
+        out[k.text] = to_json(value, where + "." + k.text);
+      }
+      return out;
+    }
+    default:
+      throw Error(ErrorCode::Unsupported,
+                  fmt::format("{} is a Python {}, which has no place in a state dict of "
+                              "torchpoint here (tensors, numbers, strings, None, lists and dicts "
+                              "of those)",
+                              where, v.type_name()));
+  }
+}
+
 namespace {
 
 
@@ -77,49 +119,6 @@ double as_number(const PyValue& v, const std::string& where, const std::string& 
   if (v.is(Kind::kBool)) return v.boolean ? 1 : 0;
   if (v.is(Kind::kTensor) && v.tensor.numel() == 1) return v.tensor.item<double>();
   incompatible(where, fmt::format("'{}' is a {}, not a number", key, v.type_name()));
-}
-
-// A Python value as JSON: numbers, strings, None, bools, lists and tuples (as arrays), dicts
-// with str keys (as objects). Throws Unsupported naming the first value that is not.
-Json to_json(const PyValue& v, const std::string& where) {
-  switch (v.kind) {
-    case Kind::kNone:
-      return nullptr;
-    case Kind::kBool:
-      return v.boolean;
-    case Kind::kInt:
-      return v.integer;
-    case Kind::kFloat:
-      return v.number;
-    case Kind::kStr:
-      return v.text;
-    case Kind::kTuple:
-    case Kind::kList: {
-      Json out = Json::array();
-      for (std::size_t i = 0; i < v.items.size(); ++i) {
-        out.push_back(to_json(v.items[i], fmt::format("{}[{}]", where, i)));
-      }
-      return out;
-    }
-    case Kind::kDict: {
-      Json out = Json::object();
-      for (const auto& [k, value] : v.entries) {
-        if (!k.is(Kind::kStr)) {
-          throw Error(ErrorCode::Unsupported,
-                      fmt::format("{}: a dict key of type {} (only str keys are read)", where,
-                                  k.type_name()));
-        }
-        out[k.text] = to_json(value, where + "." + k.text);
-      }
-      return out;
-    }
-    default:
-      throw Error(ErrorCode::Unsupported,
-                  fmt::format("{} is a Python {}, which has no place in a state dict of "
-                              "torchpoint here (tensors, numbers, strings, None, lists and dicts "
-                              "of those)",
-                              where, v.type_name()));
-  }
 }
 
 bool holds_tensor(const PyValue& v) {
@@ -289,52 +288,6 @@ StateDict optimizer_from_python(const PyValue& saved, const StateDict& current,
   return out;
 }
 
-// --- schedulers -------------------------------------------------------------------------------
-
-StateDict scheduler_from_python(const PyValue& saved, const StateDict& current,
-                                const std::string& where) {
-  require_dict(saved, where, "a scheduler's");
-  StateDict out;
-  out.set_description(where);
-  const std::string type = current.get<std::string>("type");
-  out.set("type", type);
-  if (type == "torch::optim::StepLR") {
-    // LibTorch's StepLR counts its steps, which is Python's last_epoch.
-    const PyValue& last = need(saved, "last_epoch", where);
-    if (!last.is(Kind::kInt) || last.integer < 0) incompatible(where, "bad last_epoch");
-    out.set("step_count", static_cast<std::uint64_t>(last.integer));
-    return out;
-  }
-  static const std::map<std::string, std::string> kPythonName = {
-      {"step_count", "_step_count"}, {"last_lrs", "_last_lr"}};
-  for (const auto& [key, now] : current.entries()) {
-    if (key == "type") continue;
-    auto renamed = kPythonName.find(key);
-    const std::string python = renamed == kPythonName.end() ? key : renamed->second;
-    const PyValue* v = saved.find(python);
-    if (v == nullptr) {
-      incompatible(where, fmt::format("it has no '{}': it was saved by another scheduler class "
-                                      "than torchpoint::{}, or another PyTorch version",
-                                      python, type));
-    }
-    if (std::holds_alternative<at::Tensor>(now)) {
-      out.set_double(key, as_number(*v, where, python));
-    } else if (v->is(Kind::kDict) && v->type == "Counter") {
-      // MultiStepLR's milestones: a Counter of milestone -> times.
-      std::vector<std::int64_t> milestones;
-      for (const auto& [m, times] : v->entries) {
-        if (!m.is(Kind::kInt) || !times.is(Kind::kInt)) incompatible(where, "bad milestones");
-        for (std::int64_t t = 0; t < times.integer && t < 1000000; ++t) milestones.push_back(m.integer);
-      }
-      std::sort(milestones.begin(), milestones.end());
-      out.set(key, Json(milestones));
-    } else {
-      out.set(key, to_json(*v, fmt::format("{} '{}'", where, python)));
-    }
-  }
-  return out;
-}
-
 // A GradScaler's state: PyTorch's keys and torchpoint's are the same (scale, growth_factor,
 // backoff_factor, growth_interval, _growth_tracker).
 StateDict scaler_from_python(const PyValue& saved, const StateDict& current,
@@ -462,6 +415,10 @@ AccelerateRead read_accelerate_directory(const std::string& dir,
                                          int rank, Env& env) {
   AccelerateRead read;
   std::set<std::string> claimed;
+  std::vector<std::string> optimizers;
+  for (const WantedComponent& c : wanted) {
+    if (c.kind == "optimizer") optimizers.push_back(c.name);
+  }
   for (const WantedComponent& c : wanted) {
     if (c.kind == "sampler") {
       read.not_in_checkpoint.push_back(fmt::format(
@@ -500,7 +457,13 @@ AccelerateRead read_accelerate_directory(const std::string& dir,
       if (c.kind == "optimizer") {
         state = optimizer_from_python(value, c.current, path);
       } else if (c.kind == "scheduler" || is_scheduler_state(c.current)) {
-        state = scheduler_from_python(value, c.current, path);
+        PairedOptimizer optimizer;
+        const std::string paired = paired_optimizer_name(c.name, optimizers);
+        if (!paired.empty()) {
+          optimizer.path = join_path(dir, paired + ".bin");
+          optimizer.read = [&env, file = optimizer.path] { return load_torch_value(file, env); };
+        }
+        state = scheduler_from_python(value, c.current, path, optimizer);
       } else {
         if (!value.is(Kind::kDict)) {
           throw Error(ErrorCode::Unsupported,

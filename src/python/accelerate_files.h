@@ -9,6 +9,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -34,6 +36,44 @@ std::string python_optimizer_type(const PyValue& group);
 // A scheduler's state (torchpoint's or torch::optim::StepLR's), which Accelerate's guide
 // registers with register_for_checkpointing and so is saved as a custom object.
 bool is_scheduler_state(const StateDict& s);
+
+// A Python value as JSON: numbers, strings, None, bools, lists and tuples (as arrays), dicts
+// with str keys (as objects). Throws Unsupported naming (`where`) the first value that is not.
+Json to_json(const PyValue& v, const std::string& where);
+// A value of a StateDict as a Python value (a JSON object as a dict).
+PyValue entry_value(const StateDict::Value& v);
+
+// --- LR schedulers (accelerate_schedulers.cc has the mapping, field by field) ---------------
+
+// The optimizer a scheduler drives, read only when needed: torch 2.x's OneCycleLR keeps its
+// learning rates and momenta in the optimizer's param groups.
+struct PairedOptimizer {
+  std::string path;               // its file; empty when the scheduler has none
+  std::function<PyValue()> read;  // its torch.save value
+};
+// The optimizer component that the scheduler component `scheduler` drives, among `optimizers`:
+// "optimizer_1" for "scheduler_1"; for a registered scheduler (custom_checkpoint_<i>), the only
+// optimizer; "" when there is none.
+std::string paired_optimizer_name(std::string_view scheduler,
+                                  const std::vector<std::string>& optimizers);
+// Python's state_dict() of a scheduler (`saved`, read from `where`) as the state of the
+// scheduler prepared here, whose state now is `current` (torchpoint's or torch::optim::StepLR's).
+// Throws Incompatible naming the Python class when it is another, and naming the missing key,
+// what it means and its file when one is missing.
+StateDict scheduler_from_python(const PyValue& saved, const StateDict& current,
+                                const std::string& where, const PairedOptimizer& optimizer);
+// What Python's scheduler needs: its state_dict(), and the keys it keeps in each param group of
+// its optimizer (initial_lr; OneCycleLR's max_lr, min_lr, max_momentum, base_momentum).
+struct PythonScheduler {
+  PyValue state;
+  std::vector<std::vector<std::pair<std::string, PyValue>>> group_keys;
+  std::vector<std::string> notes;  // what the export had to fill in
+};
+// The scheduler state `sd` (torchpoint's or torch::optim::StepLR's) as Python's; `optimizer` is
+// the state of the optimizer it drives (null when none). Throws Unsupported naming what is
+// missing when Python's scheduler cannot be given what it needs.
+PythonScheduler scheduler_to_python(const StateDict& sd, const std::string& where,
+                                    const StateDict* optimizer);
 
 // A component the loading program registered: its file stem ("optimizer_1"), its kind
 // ("model", "optimizer", "scheduler", "scaler", "sampler", "custom") and its state now, which

@@ -48,6 +48,22 @@ struct StepCountAccess : torch::optim::LRScheduler {
   static unsigned torch::optim::LRScheduler::*member() { return &StepCountAccess::step_count_; }
 };
 
+// LibTorch's StepLR keeps its options private. An explicit instantiation may name a private
+// member ([temp.spec.general]), and a friend it defines hands the pointer out: the one standard
+// way to read them, needed because Python's StepLR cannot continue without them.
+template <auto kMember, typename Tag>
+struct PrivateMember {
+  friend constexpr auto member_pointer(Tag) { return kMember; }
+};
+struct StepSizeTag {
+  friend constexpr auto member_pointer(StepSizeTag);
+};
+struct GammaTag {
+  friend constexpr auto member_pointer(GammaTag);
+};
+template struct PrivateMember<&torch::optim::StepLR::step_size_, StepSizeTag>;
+template struct PrivateMember<&torch::optim::StepLR::gamma_, GammaTag>;
+
 }  // namespace
 
 namespace detail {
@@ -57,6 +73,8 @@ StateDict libtorch_step_lr_state(const torch::optim::StepLR& scheduler) {
   s.set_description("torch::optim::StepLR");
   s.set("type", "torch::optim::StepLR");
   s.set("step_count", static_cast<std::uint64_t>(scheduler.*StepCountAccess::member()));
+  s.set("step_size", static_cast<std::uint64_t>(scheduler.*member_pointer(StepSizeTag{})));
+  s.set("gamma", scheduler.*member_pointer(GammaTag{}));
   return s;
 }
 
@@ -71,6 +89,19 @@ void load_libtorch_step_lr_state(torch::optim::StepLR& scheduler, const StateDic
   if (count > std::numeric_limits<unsigned>::max()) {
     throw Error(ErrorCode::Corruption,
                 fmt::format("{}: step_count {} is out of range", state.description(), count));
+  }
+  // LibTorch's options cannot be set after construction: a state of other options (absent
+  // before torchpoint recorded them) would continue another schedule.
+  const std::uint64_t step_size = scheduler.*member_pointer(StepSizeTag{});
+  const double gamma = scheduler.*member_pointer(GammaTag{});
+  if ((state.contains("step_size") && state.get<std::uint64_t>("step_size") != step_size) ||
+      (state.contains("gamma") && state.get<double>("gamma") != gamma)) {
+    throw Error(ErrorCode::Incompatible,
+                fmt::format("{}: it was saved by a torch::optim::StepLR(step_size {}, gamma {}), "
+                            "but this one has step_size {}, gamma {}, which LibTorch cannot "
+                            "change: build the StepLR with the saved options",
+                            state.description(), state.get<std::uint64_t>("step_size"),
+                            state.get<double>("gamma"), step_size, gamma));
   }
   scheduler.*StepCountAccess::member() = static_cast<unsigned>(count);
 }
