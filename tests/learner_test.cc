@@ -1469,6 +1469,31 @@ TEST(LearnerOptimizers, NamedOptimizersRefuseBadNames) {
                ErrorCode::InvalidArgument, {"needs a model, an optimizer and a loss"});
 }
 
+// With a model_factory, every fit makes a new model and, from it, new optimizers (luz's
+// set_optimizers is a method of the model): each one holds the new model's parameters.
+TEST(LearnerOptimizers, AModelFactoryMakesNewOptimizersForEveryFit) {
+  auto data = testing::seed_data(64);
+  Learner learner(
+      model_factory([] {
+        return torch::nn::Sequential(torch::nn::Linear(10, 8), torch::nn::Linear(8, 1));
+      }),
+      [](torch::nn::Sequential& m) {
+        return NamedOptimizers{
+            {"first", std::make_shared<torch::optim::SGD>(m->ptr(0)->parameters(),
+                                                          torch::optim::SGDOptions(0.1))},
+            {"second", std::make_shared<torch::optim::SGD>(m->ptr(1)->parameters(),
+                                                           torch::optim::SGDOptions(0.01))}};
+      },
+      torch::mse_loss);
+  FitResult first = learner.fit({data.x, data.y}, quiet(1));
+  FitResult second = learner.fit({data.x, data.y}, quiet(1));
+  ASSERT_NE(first.model, second.model);
+  std::vector<at::Tensor> params = second.model->parameters();
+  EXPECT_TRUE(learner.optimizer("first").param_groups()[0].params()[0].is_same(params[0]));
+  EXPECT_TRUE(learner.optimizer("second").param_groups()[0].params()[0].is_same(params[2]));
+  EXPECT_EQ(second.records.values("train", "loss_second").size(), 1u);
+}
+
 // Both optimizers' states, by name, as a map from "<name>/<key>" to tensors.
 std::map<std::string, at::Tensor> optimizer_tensors(Learner& learner) {
   std::map<std::string, at::Tensor> out;
