@@ -421,7 +421,8 @@ struct is_model_factory<ModelFactory<Make>> : std::true_type {};
 //       gan, [](Gan& m) { return torchpoint::NamedOptimizers{
 //                {"generator", std::make_shared<torch::optim::Adam>(m->generator->parameters())},
 //                {"discriminator", std::make_shared<torch::optim::SGD>(
-//                                      m->discriminator->parameters(), 0.01)}}; },
+//                                      m->discriminator->parameters(),
+//                                      torch::optim::SGDOptions(0.01))}}; },
 //       [](const torchpoint::Context& ctx, const at::Tensor& pred, const at::Tensor& target) {
 //         return ctx.opt_name == "generator" ? generator_loss(pred) : critic_loss(pred, target);
 //       });
