@@ -1570,6 +1570,79 @@ TEST(LearnerOptimizers, GanResumedByAutoResumeEndsAsTheUninterruptedFit) {
   ASSERT_EQ(got.records.values("train", "loss_discriminator").size(), 3u);
 }
 
+// luz's fully flexible step: a custom_step doing what fit()'s default passes do trains the GAN
+// to the same bits, with the records and evaluate() taken from the ctx.losses it sets; killed
+// mid-epoch and resumed by auto_resume, it ends as the uninterrupted fit.
+TEST(LearnerOptimizers, ACustomStepTrainsAsTheDefaultPassesAndResumes) {
+  auto data = testing::seed_data(192);
+  auto valid = testing::seed_data(64);
+  auto step_learner = [](std::uint64_t init_seed) {
+    torch::manual_seed(init_seed);
+    testing::TinyGan gan;
+    Learner::ContextLoss loss = testing::gan_loss(gan);
+    return std::make_unique<Learner>(
+        gan, testing::gan_optimizers, custom_step([gan, loss](Context& ctx) mutable {
+          for (const auto& [name, optimizer] : *ctx.optimizers) {
+            ctx.opt_name = name;  // what gan_loss reads
+            if (ctx.set == "train") optimizer->zero_grad();
+            ctx.pred = gan->forward(ctx.input);
+            at::Tensor l = loss(ctx, ctx.pred, ctx.target);
+            if (ctx.set == "train") {
+              l.backward();
+              optimizer->step();
+            }
+            ctx.losses[name] = l.detach();
+          }
+        }));
+  };
+  TempDir dir;
+  auto options = [&](std::vector<CallbackPtr> callbacks) {
+    torch::manual_seed(5);
+    return quiet(2).valid_data({valid.x, valid.y}).callbacks(callbacks);
+  };
+  auto passes = testing::gan_learner();
+  FitResult want = passes->fit({data.x, data.y}, options({}));
+  auto stepped = step_learner(1);
+  FitResult got = stepped->fit({data.x, data.y}, options({}));
+  expect_same_weights(*stepped, *passes);
+  expect_same_tensors(optimizer_tensors(*stepped), optimizer_tensors(*passes));
+  expect_same_records(got.records, want.records);
+  ASSERT_EQ(got.records.values("valid", "loss_discriminator").size(), 2u);
+  torch::manual_seed(6);
+  auto evaluated = stepped->evaluate({valid.x, valid.y});
+  torch::manual_seed(6);
+  auto reference = passes->evaluate({valid.x, valid.y});
+  ASSERT_EQ(evaluated.size(), 3u);
+  for (const auto& [name, value] : reference) {
+    EXPECT_TRUE(same_bits(evaluated[name], value)) << name;
+  }
+
+  struct FailAt : Callback {
+    FailAt() : Callback("fail_at") {}
+    void on_train_batch_end(Context& ctx) override {
+      if (ctx.step == 9) throw std::runtime_error("killed at step 9");
+    }
+  };
+  const std::string state = dir / "state.ckpt";
+  EXPECT_THROW(step_learner(1)->fit({data.x, data.y},
+                                    options({callbacks::auto_resume(state).save_every_steps(4),
+                                             std::make_shared<FailAt>()})),
+               CallbackError);
+  auto resumed = step_learner(9);
+  FitResult again = resumed->fit(
+      {data.x, data.y}, options({callbacks::auto_resume(state).save_every_steps(4)}));
+  EXPECT_EQ(again.resumed_after_epoch, std::optional<std::int64_t>(1));
+  expect_same_weights(*resumed, *passes);
+  expect_same_tensors(optimizer_tensors(*resumed), optimizer_tensors(*passes));
+  expect_same_records(again.records, want.records);
+
+  // A step that sets no loss of an optimizer is told which.
+  Learner forgetful(testing::TinyGan(), testing::gan_optimizers,
+                    custom_step([](Context& ctx) { ctx.losses["generator"] = torch::ones({}); }));
+  expect_error([&] { forgetful.fit({data.x, data.y}, quiet(1)); }, ErrorCode::InvalidArgument,
+               {"no loss of optimizer 'discriminator'", "ctx.losses[name]"});
+}
+
 // model_checkpoint writes every optimizer by name; resume_from_checkpoint with
 // restore_optimizer_state and restore_checkpoint bring both back; load_checkpoint (luz's) the
 // model only.

@@ -394,6 +394,23 @@ template <typename Make>
 struct is_model_factory<ModelFactory<Make>> : std::true_type {};
 }  // namespace detail
 
+// luz's step method: the training and validation step written by the user, in place of the
+// loss, for full control of the passes (a GAN's). fit() calls it once per batch, after
+// on_train_batch_begin (on_valid_batch_begin), with ctx.input and ctx.target set and ctx.set
+// "train" or "valid" (validation under no-grad). When training, it does the forward passes,
+// the backward passes and the steps of the optimizers, which it finds by name in
+// ctx.optimizers; it sets ctx.losses[name] for every optimizer (or ctx.loss when there is one)
+// and ctx.pred for the metrics. As in luz, fit() calls no hook between the batch's begin and
+// end around it (after_pred ... after_step). One process only.
+//
+// Example:
+//   torchpoint::Learner learner(gan, set_optimizers, torchpoint::custom_step(
+//       [gan](torchpoint::Context& ctx) mutable { ... }));
+struct StepFunction {
+  std::function<void(Context& ctx)> fn;
+};
+inline StepFunction custom_step(std::function<void(Context& ctx)> fn) { return {std::move(fn)}; }
+
 // A model, its optimizer (or several, by name) and its loss, trained by fit().
 //
 // Calling fit() again on the same Learner goes on from the model's current weights and the
@@ -441,7 +458,8 @@ class Learner {
   // parameters, or a factory (make_optimizer) called with them; or several by name: a
   // NamedOptimizers, or a function called with the model (what `model` or the model_factory
   // gives) returning one. `loss`: callable as loss(pred, target), such as torch::mse_loss, or
-  // a loss module such as torch::nn::CrossEntropyLoss(), or as loss(ctx, pred, target).
+  // a loss module such as torch::nn::CrossEntropyLoss(), or as loss(ctx, pred, target); or a
+  // custom_step, which computes the losses itself.
   template <typename Model, typename Optimizer, typename LossFn>
   Learner(Model model, Optimizer optimizer, LossFn loss) {
     if constexpr (detail::is_model_factory<Model>::value) {
@@ -468,7 +486,7 @@ class Learner {
           optimizers_ = single(make_optimizer(module->parameters()));
         };
       }
-      loss_ = as_loss(std::move(loss));
+      take_loss(std::move(loss));
       remake_();
       init(model_, forward_, optimizers_, loss_);
     } else {
@@ -484,7 +502,8 @@ class Learner {
       } else {
         optimizers = single(OptimizerFactory(optimizer)(module->parameters()));
       }
-      init(module, std::move(forward), std::move(optimizers), as_loss(std::move(loss)));
+      take_loss(std::move(loss));
+      init(module, std::move(forward), std::move(optimizers), loss_);
     }
   }
   ~Learner();
@@ -566,6 +585,18 @@ class Learner {
       };
     }
   }
+  // Sets the loss, or with a custom_step the step (and a loss that says it has none).
+  template <typename F>
+  void take_loss(F f) {
+    if constexpr (std::is_same_v<F, StepFunction>) {
+      if (!f.fn) throw Error(ErrorCode::InvalidArgument, "custom_step was given no function");
+      step_ = std::move(f.fn);
+      loss_ = no_loss();
+    } else {
+      loss_ = as_loss(std::move(f));
+    }
+  }
+  static ContextLoss no_loss();
   void init(std::shared_ptr<torch::nn::Module> model, Forward forward, NamedOptimizers optimizers,
             ContextLoss loss);
   // With a model_factory: replaces the model, forward and optimizer with new ones.
@@ -577,6 +608,7 @@ class Learner {
   Forward forward_;
   NamedOptimizers optimizers_;
   ContextLoss loss_;
+  std::function<void(Context&)> step_;  // a custom_step, if any
   MetricRecords records_;
   TrainingCounters counters_;
   detail::FitRun* run_ = nullptr;  // the fit in progress, if any

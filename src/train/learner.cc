@@ -26,6 +26,9 @@ namespace detail {
 
 at::Tensor stack_samples(const std::vector<at::Tensor>& samples) { return at::stack(samples); }
 
+// What the default passes loop over with a custom step: nothing.
+const NamedOptimizers kNoOptimizers{};
+
 void FitRun::each(const char* name, void (Callback::*hook)(Context&)) {
   for (const CallbackPtr& callback : callbacks) {
     try {
@@ -52,14 +55,29 @@ void FitRun::add_batch(const std::string& set) {
   at::NoGradGuard no_grad;
   Accumulator& loss = progress[set + "_loss"];
   auto n = ctx.input.size(0);
-  if (ctx.losses.size() <= 1) {
-    loss.sum += ctx.loss.item<double>() * static_cast<double>(n);
+  if (ctx.optimizers->size() == 1) {
+    // A custom step may have set only ctx.losses.
+    const at::Tensor& value =
+        ctx.loss.defined() || ctx.losses.empty() ? ctx.loss : ctx.losses.begin()->second;
+    if (!value.defined()) {
+      throw Error(ErrorCode::InvalidArgument,
+                  "fit: the custom step set no loss for this batch; set ctx.loss (or "
+                  "ctx.losses[<optimizer name>])");
+    }
+    loss.sum += value.item<double>() * static_cast<double>(n);
   } else {
     // Several optimizers: each one's loss, and their sum as the loss (in the optimizers' order,
     // so that every run adds them alike).
     double total = 0;
     for (const auto& [name, opt] : *ctx.optimizers) {
-      double value = ctx.losses.at(name).item<double>();
+      auto it = ctx.losses.find(name);
+      if (it == ctx.losses.end() || !it->second.defined()) {
+        throw Error(ErrorCode::InvalidArgument,
+                    fmt::format("fit: no loss of optimizer '{}' in ctx.losses for this batch; a "
+                                "custom step sets ctx.losses[name] for each optimizer ({})",
+                                name, fmt::join(ctx.optimizers->names(), ", ")));
+      }
+      double value = it->second.item<double>();
       total += value;
       Accumulator& own = progress[set + "_loss_" + name];
       own.sum += value * static_cast<double>(n);
@@ -266,6 +284,14 @@ void Learner::init(std::shared_ptr<torch::nn::Module> model, Forward forward,
   loss_ = std::move(loss);
 }
 
+Learner::ContextLoss Learner::no_loss() {
+  return [](const Context&, const at::Tensor&, const at::Tensor&) -> at::Tensor {
+    throw Error(ErrorCode::InvalidArgument,
+                "this Learner was made with a custom_step, which computes its losses: it has no "
+                "loss function of its own");
+  };
+}
+
 torch::optim::Optimizer& Learner::optimizer() {
   if (optimizers_.size() != 1) {
     throw Error(ErrorCode::InvalidArgument,
@@ -312,12 +338,31 @@ std::map<std::string, double> Learner::evaluate(const FitData& data, std::int64_
     ctx.target = y;
     at::Tensor pred;
     double total = 0;
+    if (step_) {
+      ctx.losses.clear();
+      ctx.loss = ctx.pred = at::Tensor();
+      step_(ctx);
+      pred = ctx.pred;
+    }
     for (const auto& [name, opt] : optimizers_) {
       ctx.opt_name = name;
       ctx.optimizer = opt.get();
-      pred = forward_(x);
-      ctx.pred = pred;
-      double value = loss_(ctx, pred, y).item<double>();
+      double value = 0;
+      if (step_) {
+        auto it = ctx.losses.find(name);
+        const at::Tensor& l = it != ctx.losses.end() ? it->second : ctx.loss;
+        if (!l.defined()) {
+          throw Error(ErrorCode::InvalidArgument,
+                      fmt::format("evaluate: the custom step set no loss of optimizer '{}'; set "
+                                  "ctx.losses[name] for each optimizer (or ctx.loss)",
+                                  name));
+        }
+        value = l.item<double>();
+      } else {
+        pred = forward_(x);
+        ctx.pred = pred;
+        value = loss_(ctx, pred, y).item<double>();
+      }
       total += value;
       if (optimizers_.size() > 1) {
         acc["valid_loss_" + name].sum += value * static_cast<double>(n);
@@ -349,6 +394,11 @@ FitResult Learner::fit(const FitData& data, const FitOptions& options) {
 
   std::shared_ptr<ProcessGroup> group =
       options.process_group() ? options.process_group() : ProcessGroup::from_environment();
+  if (group && step_) {
+    throw Error(ErrorCode::Unsupported,
+                "fit: a Learner with a custom_step trains on one process only for now (the step "
+                "would have to average the gradients itself)");
+  }
   std::uint64_t seed = options.seed() ? *options.seed() : draw_seed();
   if (group && !options.seed()) {
     // Each process drew from its own generator: the order is rank 0's.
@@ -492,8 +542,14 @@ FitResult Learner::fit(const FitData& data, const FitOptions& options) {
       ctx.loss = at::Tensor();
       ctx.losses.clear();
       run.each("on_train_batch_begin", &Callback::on_train_batch_begin);
+      if (step_) {
+        step_(ctx);
+        ++counters_.step;
+        ctx.step = counters_.step;
+      }
+      // fit()'s own passes, one per optimizer (none with a custom step, which made them).
       std::size_t pass = 0;
-      for (const auto& [name, optimizer] : optimizers_) {
+      for (const auto& [name, optimizer] : step_ ? detail::kNoOptimizers : optimizers_) {
         ctx.opt_name = name;
         ctx.optimizer = optimizer.get();
         // Only this optimizer's gradients: an earlier pass's backward may have left gradients
@@ -551,8 +607,12 @@ FitResult Learner::fit(const FitData& data, const FitOptions& options) {
         ctx.target = y;
         ctx.losses.clear();
         run.each("on_valid_batch_begin", &Callback::on_valid_batch_begin);
+        if (step_) {
+          ctx.loss = ctx.pred = at::Tensor();
+          step_(ctx);
+        }
         // As luz: each optimizer's loss, in their order.
-        for (const auto& [name, optimizer] : optimizers_) {
+        for (const auto& [name, optimizer] : step_ ? detail::kNoOptimizers : optimizers_) {
           ctx.opt_name = name;
           ctx.optimizer = optimizer.get();
           ctx.pred = forward_(ctx.input);
