@@ -6,6 +6,9 @@
 //   after_save:E      at the end of epoch E, after auto_resume saved it
 //   op:N              before the N-th file-system call of this process (inside some save)
 // SAVES is "sync", or "async" for auto_resume and model_checkpoint saving in the background.
+// JOB (optional) is "dropout" (the default: the Dropout model with Adam, 6 epochs) or "gan": the
+// two-optimizer GAN (generator with Adam and an LR scheduler attached to it, discriminator with
+// SGD), 2 epochs, its step lines holding the sum of both optimizers' losses.
 // Under torchrun (dist_test) every process runs the fit: LOG gets the suffix ".<rank>", a KILL
 // prefixed "rank:R:" applies to rank R only, and only on torchrun's first attempt; rank 0 writes
 // DIR/final.ckpt.
@@ -55,8 +58,13 @@ struct At : tp::Callback {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 5) {
-    std::fprintf(stderr, "usage: learner_child DIR LOG KILL SAVES\n");
+  if (argc != 5 && argc != 6) {
+    std::fprintf(stderr, "usage: learner_child DIR LOG KILL SAVES [dropout|gan]\n");
+    return 2;
+  }
+  const bool gan = argc == 6 && std::string(argv[5]) == "gan";
+  if (argc == 6 && !gan && std::string(argv[5]) != "dropout") {
+    std::fprintf(stderr, "learner_child: unknown job '%s' (dropout or gan)\n", argv[5]);
     return 2;
   }
   const char* rank_text = std::getenv("RANK");
@@ -86,7 +94,12 @@ int main(int argc, char** argv) {
   // Early in the order: sees every step's loss and whether the fit was resumed.
   auto early = std::make_shared<At>("log", 0);
   early->after_loss = [&](tp::Context& ctx) {
-    tp::testing::append_line(log, tp::testing::step_line(ctx.step + 1, ctx.loss.item<float>()));
+    if (!gan) {
+      tp::testing::append_line(log, tp::testing::step_line(ctx.step + 1, ctx.loss.item<float>()));
+    } else if (ctx.opt_name == "discriminator") {  // the batch's last pass
+      float sum = (ctx.losses.at("generator") + ctx.losses.at("discriminator")).item<float>();
+      tp::testing::append_line(log, tp::testing::step_line(ctx.step + 1, sum));
+    }
   };
   early->epoch_end = [&](tp::Context& ctx) {
     if (ctx.epoch == kill_before) ::raise(SIGKILL);
@@ -103,23 +116,31 @@ int main(int argc, char** argv) {
     if (ctx.epoch == kill_after) ::raise(SIGKILL);
   };
 
+  // One intra-op thread for the GAN: its tiny ops gain nothing from more, whose spinning
+  // workers cost a loaded machine about 1 s of CPU per run (the rerun uses the same setting).
+  if (gan) torch::set_num_threads(1);
   auto data = tp::testing::seed_data();
   auto valid = tp::testing::seed_data(200);
-  auto learner = tp::testing::dropout_learner();
+  auto learner = gan ? tp::testing::gan_learner() : tp::testing::dropout_learner();
+  auto scheduler = tp::callbacks::lr_scheduler([](torch::optim::Optimizer& opt) {
+    return std::make_unique<tp::StepLR>(opt, tp::StepLROptions(2).gamma(0.5));
+  });
+  if (gan) scheduler.opt_name("generator");
   torch::manual_seed(5);
   learner->fit(
       {data.x, data.y},
       tp::FitOptions()
-          .epochs(6)
+          .epochs(gan ? 2 : 6)
           .verbose(false)
           .env(&env)
           .valid_data({valid.x, valid.y})
           .metrics({tp::metrics::mae()})
           .callbacks(
-              {early, tp::callbacks::lr_scheduler([](torch::optim::Optimizer& opt) {
-                 return std::make_unique<tp::StepLR>(opt, tp::StepLROptions(2).gamma(0.5));
-               }),
-               tp::callbacks::model_checkpoint(dir + "/ckpts/").save_best_only(true).async(async),
+              {early, scheduler,
+               tp::callbacks::model_checkpoint(dir + "/ckpts/")
+                   .monitor(gan ? "valid_loss_discriminator" : "valid_loss")
+                   .save_best_only(true)
+                   .async(async),
                tp::callbacks::early_stopping().patience(100),
                std::make_shared<tp::testing::LossTally>(),
                tp::callbacks::auto_resume(dir + "/state.ckpt").save_every_steps(10).async(async),

@@ -41,6 +41,54 @@ inline std::unique_ptr<Learner> dropout_learner(std::uint64_t init_seed = 1) {
       model, make_optimizer<torch::optim::Adam>(torch::optim::AdamOptions(1e-2)), torch::mse_loss);
 }
 
+// A small GAN over the seed's x: a generator from 4 noise features to 10, and a discriminator
+// (with Dropout, so that training draws random numbers) from 10 to one logit. forward(x) is the
+// discriminator's score of real samples.
+struct TinyGanImpl : torch::nn::Module {
+  TinyGanImpl()
+      : generator(register_module(
+            "generator", torch::nn::Sequential(torch::nn::Linear(4, 16), torch::nn::ReLU(),
+                                               torch::nn::Linear(16, 10)))),
+        discriminator(register_module(
+            "discriminator",
+            torch::nn::Sequential(torch::nn::Linear(10, 16), torch::nn::ReLU(),
+                                  torch::nn::Dropout(0.2), torch::nn::Linear(16, 1)))) {}
+  torch::Tensor forward(torch::Tensor x) { return discriminator->forward(x); }
+  torch::nn::Sequential generator, discriminator;
+};
+TORCH_MODULE(TinyGan);
+
+// The GAN's optimizers, of two kinds: Adam for the generator, SGD with momentum for the
+// discriminator (luz's set_optimizers).
+inline NamedOptimizers gan_optimizers(TinyGan& gan) {
+  return NamedOptimizers{
+      {"generator", std::make_shared<torch::optim::Adam>(gan->generator->parameters(),
+                                                         torch::optim::AdamOptions(1e-3))},
+      {"discriminator",
+       std::make_shared<torch::optim::SGD>(gan->discriminator->parameters(),
+                                           torch::optim::SGDOptions(0.05).momentum(0.9))}};
+}
+
+// Each optimizer's loss, as luz's loss method reading ctx$opt_name: the generator's makes the
+// discriminator call fakes real; the discriminator's tells real samples (`real_scores`, the
+// forward pass) from fakes. Draws fresh noise on every call.
+inline Learner::ContextLoss gan_loss(TinyGan gan) {
+  return [gan](const Context& ctx, const at::Tensor& real_scores, const at::Tensor&) mutable {
+    at::Tensor fake = gan->generator->forward(torch::randn({real_scores.size(0), 4}));
+    auto bce = [](const at::Tensor& logits, double label) {
+      return torch::binary_cross_entropy_with_logits(logits, torch::full_like(logits, label));
+    };
+    if (ctx.opt_name == "generator") return bce(gan->discriminator->forward(fake), 1.0);
+    return bce(real_scores, 1.0) + bce(gan->discriminator->forward(fake.detach()), 0.0);
+  };
+}
+
+inline std::unique_ptr<Learner> gan_learner(std::uint64_t init_seed = 1) {
+  torch::manual_seed(init_seed);
+  TinyGan gan;
+  return std::make_unique<Learner>(gan, gan_optimizers, gan_loss(gan));
+}
+
 // The seed's `interrupt` callback: fails once, at the end of epoch 5.
 struct Interrupt : Callback {
   explicit Interrupt(std::int64_t epoch = 5) : Callback("interrupt"), at_epoch(epoch) {}

@@ -1338,6 +1338,448 @@ TEST(Learner, ALearnerCheckpointOfANewerVersionIsRefusedNamingBoth) {
                {"version 2", "newer than this torchpoint reads (1)", "upgrade"});
 }
 
+// ---- Several optimizers (luz's set_optimizers) ----
+
+// luz's custom-loop example: two layers, each with its own optimizer and learning rate, the
+// first one's loss with an L1 penalty on its weights. fit() must step exactly as the loop a user
+// would write: per batch and per optimizer in order, zero its gradients, forward, its loss,
+// backward, its step.
+TEST(LearnerOptimizers, TwoParameterSetsWithTwoLearningRatesStepAsAHandWrittenLoop) {
+  auto data = testing::seed_data(256);
+  auto valid = testing::seed_data(64);
+  auto make = [] {
+    torch::manual_seed(4);
+    return torch::nn::Sequential(torch::nn::Linear(10, 8), torch::nn::ReLU(),
+                                 torch::nn::Linear(8, 1));
+  };
+  auto set_optimizers = [](torch::nn::Sequential& m) {
+    return NamedOptimizers{
+        {"opt_fc1", std::make_shared<torch::optim::SGD>(m->ptr(0)->parameters(),
+                                                        torch::optim::SGDOptions(0.1))},
+        {"opt_fc2", std::make_shared<torch::optim::Adam>(m->ptr(2)->parameters(),
+                                                         torch::optim::AdamOptions(0.01))}};
+  };
+  auto loss = [](const torch::nn::Module& model, const std::string& opt_name,
+                 const at::Tensor& pred, const at::Tensor& target) {
+    at::Tensor mse = torch::mse_loss(pred, target);
+    if (opt_name != "opt_fc1") return mse;
+    return mse + 0.01 * model.named_parameters()["0.weight"].abs().sum();
+  };
+
+  auto model = make();
+  Learner learner(model, set_optimizers,
+                  [&](const Context& ctx, const at::Tensor& pred, const at::Tensor& target) {
+                    return loss(*ctx.model, ctx.opt_name, pred, target);
+                  });
+  ASSERT_EQ(learner.optimizers().names(), (std::vector<std::string>{"opt_fc1", "opt_fc2"}));
+  struct Seen : Callback {
+    Seen() : Callback("seen") {}
+    std::vector<std::string> passes;  // opt_name at each before_step of the first batch
+    std::vector<std::int64_t> steps;  // ctx.step at every batch end
+    std::vector<std::string> loss_names;
+    void on_train_batch_before_step(Context& ctx) override {
+      if (ctx.step == 0) passes.push_back(ctx.opt_name);
+      EXPECT_EQ(ctx.optimizer, &(*ctx.optimizers)[ctx.opt_name]);
+    }
+    void on_train_batch_end(Context& ctx) override {
+      steps.push_back(ctx.step);
+      loss_names.clear();
+      for (const auto& [name, value] : ctx.losses) loss_names.push_back(name);
+    }
+  };
+  auto seen = std::make_shared<Seen>();
+  FitResult result = learner.fit(
+      {data.x, data.y}, quiet(2).shuffle(false).valid_data({valid.x, valid.y}).callbacks({seen}));
+  EXPECT_EQ(seen->passes, (std::vector<std::string>{"opt_fc1", "opt_fc2"}));
+  EXPECT_EQ(seen->steps.size(), 16u);
+  EXPECT_EQ(seen->steps.back(), 16) << "one step per batch, whatever the number of optimizers";
+  EXPECT_EQ(seen->loss_names, (std::vector<std::string>{"opt_fc1", "opt_fc2"}));
+
+  // The same training written by hand.
+  auto hand = make();
+  NamedOptimizers optimizers = set_optimizers(hand);
+  std::vector<double> sum_fc1(2), sum_fc2(2);
+  for (int epoch = 0; epoch < 2; ++epoch) {
+    for (std::int64_t b = 0; b < 8; ++b) {
+      at::Tensor x = data.x.slice(0, b * 32, b * 32 + 32);
+      at::Tensor y = data.y.slice(0, b * 32, b * 32 + 32);
+      for (const auto& [name, optimizer] : optimizers) {
+        optimizer->zero_grad();
+        at::Tensor l = loss(*hand, name, hand->forward(x), y);
+        l.backward();
+        optimizer->step();
+        (name == "opt_fc1" ? sum_fc1 : sum_fc2)[epoch] += l.item<double>() * 32;
+      }
+    }
+  }
+  auto theirs = hand->named_parameters();
+  for (const auto& item : learner.model().named_parameters()) {
+    EXPECT_TRUE(testing::bitwise_equal(item.value(), theirs[item.key()])) << item.key();
+  }
+  for (std::string name : {"opt_fc1", "opt_fc2"}) {
+    StateDict got = optimizer_state_dict(learner.optimizer(name));
+    StateDict want = optimizer_state_dict(optimizers[name]);
+    ASSERT_EQ(got.keys(), want.keys()) << name;
+    for (const std::string& key : want.keys()) {
+      if (want.is_tensor(key)) {
+        EXPECT_TRUE(testing::bitwise_equal(got.tensor(key), want.tensor(key))) << name << key;
+      }
+    }
+  }
+  // Each optimizer's loss is recorded under its name, and the loss is their sum.
+  const auto& fc1 = result.records.values("train", "loss_opt_fc1");
+  const auto& fc2 = result.records.values("train", "loss_opt_fc2");
+  const auto& total = result.records.values("train", "loss");
+  ASSERT_EQ(fc1.size(), 2u);
+  ASSERT_EQ(total.size(), 2u);
+  for (int epoch = 0; epoch < 2; ++epoch) {
+    EXPECT_TRUE(same_bits(fc1[epoch], sum_fc1[epoch] / 256)) << epoch;
+    EXPECT_TRUE(same_bits(fc2[epoch], sum_fc2[epoch] / 256)) << epoch;
+    EXPECT_NEAR(total[epoch], fc1[epoch] + fc2[epoch], 1e-12);
+  }
+  EXPECT_EQ(result.records.values("valid", "loss_opt_fc2").size(), 2u);
+  EXPECT_GT(result.records.values("valid", "loss_opt_fc1")[1],
+            result.records.values("valid", "loss_opt_fc2")[1])
+      << "the first optimizer's loss has the L1 penalty";
+  auto evaluated = learner.evaluate({valid.x, valid.y});
+  EXPECT_TRUE(evaluated.count("valid_loss_opt_fc1") && evaluated.count("valid_loss_opt_fc2"));
+
+  expect_error([&] { learner.optimizer(); }, ErrorCode::InvalidArgument,
+               {"2 optimizers", "opt_fc1, opt_fc2", "optimizer(name)"});
+  expect_error([&] { learner.optimizer("opt"); }, ErrorCode::InvalidArgument,
+               {"no optimizer named 'opt'", "opt_fc1, opt_fc2"});
+  Metric clash("loss_opt_fc1", [](const at::Tensor& p, const at::Tensor&) { return p; });
+  expect_error([&] { learner.fit({data.x, data.y}, quiet(1).metrics({clash})); },
+               ErrorCode::InvalidArgument,
+               {"two metrics are named 'loss_opt_fc1'", "loss_<name>"});
+}
+
+TEST(LearnerOptimizers, NamedOptimizersRefuseBadNames) {
+  auto model = torch::nn::Linear(10, 1);
+  auto sgd = [&] {
+    return std::make_shared<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(1));
+  };
+  expect_error([&] { NamedOptimizers{{"g", sgd()}, {"g", sgd()}}; }, ErrorCode::InvalidArgument,
+               {"two optimizers are named 'g'"});
+  expect_error([&] { NamedOptimizers().add("a.b", sgd()); }, ErrorCode::InvalidArgument,
+               {"'a.b'", "letters, digits and '_'"});
+  expect_error([&] { NamedOptimizers().add("g", nullptr); }, ErrorCode::InvalidArgument,
+               {"optimizer 'g' is null"});
+  expect_error([&] { Learner learner(model, NamedOptimizers(), torch::mse_loss); },
+               ErrorCode::InvalidArgument, {"needs a model, an optimizer and a loss"});
+}
+
+// With a model_factory, every fit makes a new model and, from it, new optimizers (luz's
+// set_optimizers is a method of the model): each one holds the new model's parameters.
+TEST(LearnerOptimizers, AModelFactoryMakesNewOptimizersForEveryFit) {
+  auto data = testing::seed_data(64);
+  Learner learner(
+      model_factory([] {
+        return torch::nn::Sequential(torch::nn::Linear(10, 8), torch::nn::Linear(8, 1));
+      }),
+      [](torch::nn::Sequential& m) {
+        return NamedOptimizers{
+            {"first", std::make_shared<torch::optim::SGD>(m->ptr(0)->parameters(),
+                                                          torch::optim::SGDOptions(0.1))},
+            {"second", std::make_shared<torch::optim::SGD>(m->ptr(1)->parameters(),
+                                                           torch::optim::SGDOptions(0.01))}};
+      },
+      torch::mse_loss);
+  FitResult first = learner.fit({data.x, data.y}, quiet(1));
+  FitResult second = learner.fit({data.x, data.y}, quiet(1));
+  ASSERT_NE(first.model, second.model);
+  std::vector<at::Tensor> params = second.model->parameters();
+  EXPECT_TRUE(learner.optimizer("first").param_groups()[0].params()[0].is_same(params[0]));
+  EXPECT_TRUE(learner.optimizer("second").param_groups()[0].params()[0].is_same(params[2]));
+  EXPECT_EQ(second.records.values("train", "loss_second").size(), 1u);
+}
+
+// Both optimizers' states, by name, as a map from "<name>/<key>" to tensors.
+std::map<std::string, at::Tensor> optimizer_tensors(Learner& learner) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [name, optimizer] : learner.optimizers()) {
+    StateDict s = optimizer_state_dict(*optimizer);
+    for (const std::string& key : s.keys()) {
+      if (s.is_tensor(key)) out[name + "/" + key] = s.tensor(key).clone();
+    }
+  }
+  return out;
+}
+
+void expect_same_tensors(const std::map<std::string, at::Tensor>& got,
+                         const std::map<std::string, at::Tensor>& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& [key, t] : want) {
+    ASSERT_TRUE(got.count(key)) << key;
+    EXPECT_TRUE(testing::bitwise_equal(got.at(key), t)) << key;
+  }
+}
+
+// The GAN's optimizers in a file: each under its name, as "<name>/<key>".
+std::map<std::string, at::Tensor> file_optimizer_tensors(const StateDict& file) {
+  std::map<std::string, at::Tensor> out;
+  for (const Json& name : file.value("learner.optimizers")) {
+    StateDict s = file.child("optimizer." + name.get<std::string>());
+    for (const std::string& key : s.keys()) {
+      if (s.is_tensor(key)) out[name.get<std::string>() + "/" + key] = s.tensor(key);
+    }
+  }
+  return out;
+}
+
+// A GAN (Adam for the generator with an LR scheduler attached to it, SGD for the discriminator)
+// interrupted mid-epoch and resumed by auto_resume ends as the uninterrupted fit: weights, both
+// optimizers' states, the scheduler, records.
+TEST(LearnerOptimizers, GanResumedByAutoResumeEndsAsTheUninterruptedFit) {
+  auto data = testing::seed_data(320);
+  TempDir dir;
+  auto options = [&](std::vector<CallbackPtr> extra) {
+    std::vector<CallbackPtr> cbs = {
+        callbacks::lr_scheduler([](torch::optim::Optimizer& opt) {
+          return std::make_unique<StepLR>(opt, StepLROptions(1).gamma(0.5));
+        }).opt_name("generator"),
+        callbacks::auto_resume(dir / "state.ckpt").save_every_steps(4)};
+    cbs.insert(cbs.end(), extra.begin(), extra.end());
+    torch::manual_seed(5);
+    return quiet(3).callbacks(cbs);
+  };
+  auto whole = testing::gan_learner();
+  FitResult want = whole->fit({data.x, data.y}, options({}));
+  EXPECT_DOUBLE_EQ(whole->optimizer("generator").param_groups()[0].options().get_lr(),
+                   1e-3 * 0.125);
+  EXPECT_DOUBLE_EQ(whole->optimizer("discriminator").param_groups()[0].options().get_lr(), 0.05);
+
+  struct FailAt : Callback {
+    FailAt() : Callback("fail_at") {}
+    void on_train_batch_end(Context& ctx) override {
+      if (ctx.step == 15) throw std::runtime_error("killed at step 15");
+    }
+  };
+  auto first = testing::gan_learner();
+  EXPECT_THROW(first->fit({data.x, data.y}, options({std::make_shared<FailAt>()})),
+               CallbackError);
+  auto resumed = testing::gan_learner(/*init_seed=*/9);
+  FitResult got = resumed->fit({data.x, data.y}, options({}));
+  EXPECT_EQ(got.resumed_after_epoch, std::optional<std::int64_t>(1));
+  expect_same_weights(*resumed, *whole);
+  expect_same_tensors(optimizer_tensors(*resumed), optimizer_tensors(*whole));
+  EXPECT_DOUBLE_EQ(resumed->optimizer("generator").param_groups()[0].options().get_lr(),
+                   1e-3 * 0.125);
+  expect_same_records(got.records, want.records);
+  ASSERT_EQ(got.records.values("train", "loss_generator").size(), 3u);
+  ASSERT_EQ(got.records.values("train", "loss_discriminator").size(), 3u);
+}
+
+// luz's fully flexible step: a custom_step doing what fit()'s default passes do trains the GAN
+// to the same bits, with the records and evaluate() taken from the ctx.losses it sets; killed
+// mid-epoch and resumed by auto_resume, it ends as the uninterrupted fit.
+TEST(LearnerOptimizers, ACustomStepTrainsAsTheDefaultPassesAndResumes) {
+  auto data = testing::seed_data(192);
+  auto valid = testing::seed_data(64);
+  auto step_learner = [](std::uint64_t init_seed) {
+    torch::manual_seed(init_seed);
+    testing::TinyGan gan;
+    Learner::ContextLoss loss = testing::gan_loss(gan);
+    return std::make_unique<Learner>(
+        gan, testing::gan_optimizers, custom_step([gan, loss](Context& ctx) mutable {
+          for (const auto& [name, optimizer] : *ctx.optimizers) {
+            ctx.opt_name = name;  // what gan_loss reads
+            if (ctx.set == "train") optimizer->zero_grad();
+            ctx.pred = gan->forward(ctx.input);
+            at::Tensor l = loss(ctx, ctx.pred, ctx.target);
+            if (ctx.set == "train") {
+              l.backward();
+              optimizer->step();
+            }
+            ctx.losses[name] = l.detach();
+          }
+        }));
+  };
+  TempDir dir;
+  auto options = [&](std::vector<CallbackPtr> callbacks) {
+    torch::manual_seed(5);
+    return quiet(2).valid_data({valid.x, valid.y}).callbacks(callbacks);
+  };
+  auto passes = testing::gan_learner();
+  FitResult want = passes->fit({data.x, data.y}, options({}));
+  auto stepped = step_learner(1);
+  FitResult got = stepped->fit({data.x, data.y}, options({}));
+  expect_same_weights(*stepped, *passes);
+  expect_same_tensors(optimizer_tensors(*stepped), optimizer_tensors(*passes));
+  expect_same_records(got.records, want.records);
+  ASSERT_EQ(got.records.values("valid", "loss_discriminator").size(), 2u);
+  torch::manual_seed(6);
+  auto evaluated = stepped->evaluate({valid.x, valid.y});
+  torch::manual_seed(6);
+  auto reference = passes->evaluate({valid.x, valid.y});
+  ASSERT_EQ(evaluated.size(), 3u);
+  for (const auto& [name, value] : reference) {
+    EXPECT_TRUE(same_bits(evaluated[name], value)) << name;
+  }
+
+  struct FailAt : Callback {
+    FailAt() : Callback("fail_at") {}
+    void on_train_batch_end(Context& ctx) override {
+      if (ctx.step == 9) throw std::runtime_error("killed at step 9");
+    }
+  };
+  const std::string state = dir / "state.ckpt";
+  EXPECT_THROW(step_learner(1)->fit({data.x, data.y},
+                                    options({callbacks::auto_resume(state).save_every_steps(4),
+                                             std::make_shared<FailAt>()})),
+               CallbackError);
+  auto resumed = step_learner(9);
+  FitResult again = resumed->fit(
+      {data.x, data.y}, options({callbacks::auto_resume(state).save_every_steps(4)}));
+  EXPECT_EQ(again.resumed_after_epoch, std::optional<std::int64_t>(1));
+  expect_same_weights(*resumed, *passes);
+  expect_same_tensors(optimizer_tensors(*resumed), optimizer_tensors(*passes));
+  expect_same_records(again.records, want.records);
+
+  // A step that sets no loss of an optimizer is told which.
+  Learner forgetful(testing::TinyGan(), testing::gan_optimizers,
+                    custom_step([](Context& ctx) { ctx.losses["generator"] = torch::ones({}); }));
+  expect_error([&] { forgetful.fit({data.x, data.y}, quiet(1)); }, ErrorCode::InvalidArgument,
+               {"no loss of optimizer 'discriminator'", "ctx.losses[name]"});
+}
+
+// model_checkpoint writes every optimizer by name; resume_from_checkpoint with
+// restore_optimizer_state and restore_checkpoint bring both back; load_checkpoint (luz's) the
+// model only.
+TEST(LearnerOptimizers, CheckpointsHoldAndRestoreEveryOptimizerByName) {
+  auto data = testing::seed_data(128);
+  TempDir dir;
+  const std::string ckpts = dir / "ckpts";
+  testing::gan_learner()->fit(
+      {data.x, data.y},
+      quiet(2).callbacks({callbacks::model_checkpoint(ckpts + "/").monitor("train_loss")}));
+  const std::string last = ckpts + "/" + testing::list_sorted(ckpts).back();
+  StateDict file = read_state(last);
+  EXPECT_EQ(file.value("learner.optimizers"), Json({"generator", "discriminator"}));
+  auto saved = file_optimizer_tensors(file);
+  ASSERT_TRUE(saved.count("generator/state.0.0.exp_avg"));
+  ASSERT_TRUE(saved.count("discriminator/state.0.0.momentum_buffer"));
+
+  // resume_from_checkpoint, from the directory's newest.
+  struct Capture : Callback {
+    Capture() : Callback("capture") {}
+    int order() const override { return 950; }  // right after resume_from_checkpoint
+    std::map<std::string, at::Tensor> optimizers;
+    StateDict model;
+    void on_fit_begin(Context& ctx) override {
+      optimizers = optimizer_tensors(*ctx.learner);
+      model = module_state_dict(*ctx.model).clone();
+    }
+  };
+  auto capture = std::make_shared<Capture>();
+  testing::gan_learner(77)->fit(
+      {data.x, data.y},
+      quiet(1).callbacks(
+          {callbacks::resume_from_checkpoint(ckpts).restore_optimizer_state(true), capture}));
+  expect_same_tensors(capture->optimizers, saved);
+  EXPECT_TRUE(model_matches(capture->model, file));
+
+  // restore_checkpoint outside a fit.
+  auto outside = testing::gan_learner(78);
+  outside->restore_checkpoint(
+      last, RestoreOptions().records(false).callbacks(false).position(false));
+  expect_same_tensors(optimizer_tensors(*outside), saved);
+  EXPECT_TRUE(model_matches(module_state_dict(outside->model()), file));
+
+  // load_checkpoint: the model's weights, the optimizers as they were.
+  auto loaded = testing::gan_learner(79);
+  auto before = optimizer_tensors(*loaded);
+  load_checkpoint(*loaded, last);
+  EXPECT_TRUE(model_matches(module_state_dict(loaded->model()), file));
+  expect_same_tensors(optimizer_tensors(*loaded), before);
+}
+
+// Restoring optimizer state needs the same optimizers by name: anything else is refused, naming
+// both sets, before anything changes. A scheduler must be attached to the same optimizer.
+TEST(LearnerOptimizers, RestoringOtherOptimizerNamesIsRefusedNamingBothSets) {
+  auto data = testing::seed_data(64);
+  TempDir dir;
+  auto gan = testing::gan_learner();
+  gan->save_checkpoint(dir / "gan.ckpt");
+  auto single_gan = [] {
+    torch::manual_seed(3);
+    testing::TinyGan model;
+    return std::make_unique<Learner>(
+        model, std::make_shared<torch::optim::Adam>(model->parameters()),
+        testing::gan_loss(model));
+  };
+  auto one = single_gan();
+  one->save_checkpoint(dir / "one.ckpt");
+  EXPECT_EQ(read_state(dir / "one.ckpt").value("learner.optimizers"), Json({"opt"}));
+  const auto restore_all = RestoreOptions().callbacks(false).position(false);
+
+  StateDict weights = module_state_dict(one->model()).clone();
+  Error e = expect_error([&] { one->restore_checkpoint(dir / "gan.ckpt", restore_all); },
+                         ErrorCode::Incompatible,
+                         {"gan.ckpt", "{generator, discriminator}", "this Learner has {opt}",
+                          "NamedOptimizers", "without the optimizer state"});
+  EXPECT_TRUE(model_matches(module_state_dict(one->model()), read_state(dir / "one.ckpt")))
+      << "nothing changed: " << e.what();
+  // Through resume_from_checkpoint as well; without the optimizer state it loads.
+  expect_error(
+      [&] {
+        single_gan()->fit({data.x, data.y},
+                          quiet(1).callbacks({callbacks::resume_from_checkpoint(dir / "gan.ckpt")
+                                                  .restore_optimizer_state(true)}));
+      },
+      ErrorCode::Incompatible, {"{generator, discriminator}", "{opt}"});
+  single_gan()->fit({data.x, data.y},
+                    quiet(1).callbacks({callbacks::resume_from_checkpoint(dir / "gan.ckpt")}));
+
+  expect_error([&] { gan->restore_checkpoint(dir / "one.ckpt", restore_all); },
+               ErrorCode::Incompatible, {"{opt}", "this Learner has {generator, discriminator}"});
+  // A file written before optimizers had names holds one: a two-optimizer Learner refuses it.
+  StateDict legacy = read_state(dir / "one.ckpt");
+  legacy.erase("learner.optimizers");
+  save_file(dir / "legacy.ckpt", legacy.to_container());
+  expect_error([&] { gan->restore_checkpoint(dir / "legacy.ckpt", restore_all); },
+               ErrorCode::Incompatible,
+               {"legacy.ckpt", "one optimizer, saved without a name", "2 optimizers",
+                "{generator, discriminator}"});
+  single_gan()->restore_checkpoint(dir / "legacy.ckpt", restore_all);
+
+  // The scheduler: which optimizer, said and checked.
+  auto scheduler = [](std::string opt_name) {
+    return callbacks::lr_scheduler([](torch::optim::Optimizer& opt) {
+             return std::make_unique<StepLR>(opt, StepLROptions(1));
+           })
+        .opt_name(std::move(opt_name));
+  };
+  auto fit_with = [&](CallbackPtr callback) {
+    testing::gan_learner()->fit({data.x, data.y}, quiet(1).callbacks({callback}));
+  };
+  expect_error([&] { fit_with(scheduler("")); },
+               ErrorCode::InvalidArgument,
+               {"lr_scheduler", "2 optimizers (generator, discriminator)", ".opt_name(name)"});
+  expect_error([&] { fit_with(scheduler("critic")); },
+               ErrorCode::InvalidArgument, {"opt_name 'critic'", "generator, discriminator"});
+  const std::string state = dir / "state.ckpt";
+  struct Fail : Callback {
+    Fail() : Callback("fail") {}
+    int order() const override { return 2000; }  // after auto_resume saved the epoch
+    void on_epoch_end(Context&) override { throw std::runtime_error("stop"); }
+  };
+  EXPECT_THROW(testing::gan_learner()->fit(
+                   {data.x, data.y}, quiet(2).callbacks({scheduler("generator"),
+                                                         callbacks::auto_resume(state),
+                                                         std::make_shared<Fail>()})),
+               CallbackError);
+  expect_error(
+      [&] {
+        testing::gan_learner()->fit(
+            {data.x, data.y},
+            quiet(2).callbacks({scheduler("discriminator"), callbacks::auto_resume(state)}));
+      },
+      ErrorCode::Incompatible,
+      {"attached to optimizer 'generator'", "attached to 'discriminator'",
+       ".opt_name(\"generator\")"});
+}
+
 TEST(Learner, FitDataChecksItsTensors) {
   expect_error(
       [] {

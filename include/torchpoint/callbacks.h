@@ -176,7 +176,11 @@ inline TfeventsOptions tfevents(std::string logdir = "logs") {
 
 // Creates an LR scheduler on the fit's optimizer at the start of the fit and steps it at the
 // end of every epoch (luz's default), or after every optimizer step with step_every_batch.
-// The scheduler's state is the callback's state.
+// The scheduler's state is the callback's state, with the name of the optimizer it is attached
+// to: a resume that would attach it to another optimizer is an Incompatible error.
+// With several optimizers, opt_name(name) says which one it schedules (luz's opt_name; it is
+// an InvalidArgument error at the start of the fit to leave it out or to name one the Learner
+// does not have); one scheduler per optimizer takes one callback each.
 //
 // Example:
 //   torchpoint::callbacks::lr_scheduler([](torch::optim::Optimizer& opt) {
@@ -186,6 +190,10 @@ struct LRSchedulerOptions {
   explicit LRSchedulerOptions(Factory factory) : factory_(std::move(factory)) {}
   TORCH_ARG(Factory, factory);
   TORCH_ARG(bool, step_every_batch) = false;
+  // The optimizer scheduled, by name; empty: the Learner's only one.
+  TORCH_ARG(std::string, opt_name);
+  // Names the callback's state in checkpoints (two in one fit are numbered if left alike).
+  TORCH_ARG(std::string, name) = "lr_scheduler";
 
  public:
   CallbackPtr build() const;

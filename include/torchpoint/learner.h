@@ -11,6 +11,7 @@
 #include <concepts>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <iosfwd>
 #include <map>
 #include <memory>
@@ -114,13 +115,54 @@ Metric binary_accuracy(double threshold = 0.5);
 Metric accuracy();
 }  // namespace metrics
 
+// The optimizers of a Learner, by name, in the order fit() steps them: luz's set_optimizers
+// returning a named list (a GAN's generator and discriminator, or two parameter sets with two
+// learning rates). A Learner given a single optimizer holds it under the name "opt", as luz
+// does. Checkpoints hold each optimizer's state under its name, and restoring an optimizer
+// state checks that the names are the same.
+//
+// Example:
+//   torchpoint::NamedOptimizers optimizers{
+//       {"generator", std::make_shared<torch::optim::Adam>(gan->generator->parameters(),
+//                                                           torch::optim::AdamOptions(2e-4))},
+//       {"discriminator", std::make_shared<torch::optim::SGD>(
+//                             gan->discriminator->parameters(), torch::optim::SGDOptions(0.01))}};
+class NamedOptimizers {
+ public:
+  using Entry = std::pair<std::string, std::shared_ptr<torch::optim::Optimizer>>;
+  NamedOptimizers() = default;
+  // Throws as add() does.
+  NamedOptimizers(std::initializer_list<Entry> entries);
+  // Appends `optimizer` under `name`. Throws InvalidArgument for a null optimizer, a repeated
+  // name, or a name that is empty or has characters other than letters, digits and '_' (it
+  // names the optimizer's state in checkpoints and its loss in the records).
+  NamedOptimizers& add(std::string name, std::shared_ptr<torch::optim::Optimizer> optimizer);
+
+  std::size_t size() const { return entries_.size(); }
+  bool empty() const { return entries_.empty(); }
+  bool contains(const std::string& name) const;
+  std::vector<std::string> names() const;
+  // The optimizer named `name`; throws InvalidArgument naming the ones there are.
+  torch::optim::Optimizer& operator[](const std::string& name) const;
+  std::vector<Entry>::const_iterator begin() const { return entries_.begin(); }
+  std::vector<Entry>::const_iterator end() const { return entries_.end(); }
+
+ private:
+  std::vector<Entry> entries_;
+};
+
 // What callbacks see: the learner, the position in the run and the current batch. Fields are
 // updated by fit() before each hook; `pred` and `loss` are set from the hooks after prediction
 // and after the loss on.
 struct Context {
   Learner* learner = nullptr;
   torch::nn::Module* model = nullptr;
+  // The optimizer whose pass runs (luz's ctx$opt): with several, fit() runs each batch's
+  // forward, loss, backward and step once per optimizer, in their order, and `opt_name` says
+  // which (luz's ctx$opt_name). `optimizers` holds them all by name (luz's ctx$optimizers).
   torch::optim::Optimizer* optimizer = nullptr;
+  std::string opt_name;
+  const NamedOptimizers* optimizers = nullptr;
   const FitOptions* options = nullptr;
   MetricRecords* records = nullptr;
   Env* env = nullptr;
@@ -139,6 +181,9 @@ struct Context {
   std::string set;  // "train" or "valid"
 
   at::Tensor input, target, pred, loss;
+  // The current batch's loss of each optimizer that has had its pass, detached, by name (luz's
+  // ctx$loss[[opt_name]]); `loss` is the current pass's.
+  std::map<std::string, at::Tensor> losses;
   // This epoch's values so far, by monitor name ("train_loss", "valid_mae", ...).
   std::map<std::string, double> metrics;
   // Every monitor name this fit records, known from on_fit_begin on.
@@ -349,11 +394,37 @@ template <typename Make>
 struct is_model_factory<ModelFactory<Make>> : std::true_type {};
 }  // namespace detail
 
-// A model, its optimizer and its loss, trained by fit().
+// luz's step method: the training and validation step written by the user, in place of the
+// loss, for full control of the passes (a GAN's). fit() calls it once per batch, after
+// on_train_batch_begin (on_valid_batch_begin), with ctx.input and ctx.target set and ctx.set
+// "train" or "valid" (validation under no-grad). When training, it does the forward passes,
+// the backward passes and the steps of the optimizers, which it finds by name in
+// ctx.optimizers; it sets ctx.losses[name] for every optimizer (or ctx.loss when there is one)
+// and ctx.pred for the metrics. As in luz, fit() calls no hook between the batch's begin and
+// end around it (after_pred ... after_step). One process only.
+//
+// Example:
+//   torchpoint::Learner learner(gan, set_optimizers, torchpoint::custom_step(
+//       [gan](torchpoint::Context& ctx) mutable { ... }));
+struct StepFunction {
+  std::function<void(Context& ctx)> fn;
+};
+inline StepFunction custom_step(std::function<void(Context& ctx)> fn) { return {std::move(fn)}; }
+
+// A model, its optimizer (or several, by name) and its loss, trained by fit().
 //
 // Calling fit() again on the same Learner goes on from the model's current weights and the
 // optimizer's current state (a warm start), with records and counters starting empty. For
 // luz's behaviour, where each fit trains a new model, make the Learner from a model_factory.
+//
+// Several optimizers (luz's set_optimizers): give a NamedOptimizers, or a function of the model
+// returning one (needed with a model_factory, whose every fit makes new optimizers). For each
+// batch, fit() then runs one pass per optimizer, in their order: zero that optimizer's
+// gradients, forward, loss, backward, step that optimizer, with the hooks in between and
+// Context::opt_name naming it. A loss callable as loss(ctx, pred, target) sees the context, so
+// that each optimizer minimises its own loss (luz's loss method reading ctx$opt_name); the step
+// counter counts batches. The records then hold each optimizer's loss as "loss_<name>" (luz
+// records the loss per optimizer) and "loss" as their sum.
 //
 // Example:
 //   auto model = torch::nn::Linear(10, 1);
@@ -361,45 +432,78 @@ struct is_model_factory<ModelFactory<Make>> : std::true_type {};
 //                                          torch::optim::SGDOptions(0.01)), torch::mse_loss);
 //   auto result = learner.fit({x, y}, torchpoint::FitOptions().epochs(10).callbacks({
 //       torchpoint::callbacks::auto_resume("state.ckpt")}));
+//
+//   // Two optimizers: a GAN's two networks, each with its own loss.
+//   torchpoint::Learner gan_learner(
+//       gan, [](Gan& m) { return torchpoint::NamedOptimizers{
+//                {"generator", std::make_shared<torch::optim::Adam>(m->generator->parameters())},
+//                {"discriminator", std::make_shared<torch::optim::SGD>(
+//                                      m->discriminator->parameters(),
+//                                      torch::optim::SGDOptions(0.01))}}; },
+//       [](const torchpoint::Context& ctx, const at::Tensor& pred, const at::Tensor& target) {
+//         return ctx.opt_name == "generator" ? generator_loss(pred) : critic_loss(pred, target);
+//       });
 class Learner {
  public:
   using Forward = std::function<at::Tensor(const at::Tensor&)>;
   using Loss = std::function<at::Tensor(const at::Tensor& pred, const at::Tensor& target)>;
+  // A loss that sees the fit's context (Context::opt_name: which optimizer's pass this is).
+  using ContextLoss = std::function<at::Tensor(const Context& ctx, const at::Tensor& pred,
+                                               const at::Tensor& target)>;
   using OptimizerFactory =
       std::function<std::shared_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)>;
 
   // `model`: a LibTorch module holder (torch::nn::Linear, a TORCH_MODULE) or a shared_ptr to a
   // module with forward(Tensor). `optimizer`: a shared_ptr to an optimizer over the model's
-  // parameters, or a factory (make_optimizer) called with them. `loss`: callable as
-  // loss(pred, target), such as torch::mse_loss, or a loss module such as
-  // torch::nn::CrossEntropyLoss().
+  // parameters, or a factory (make_optimizer) called with them; or several by name: a
+  // NamedOptimizers, or a function called with the model (what `model` or the model_factory
+  // gives) returning one. `loss`: callable as loss(pred, target), such as torch::mse_loss, or
+  // a loss module such as torch::nn::CrossEntropyLoss(), or as loss(ctx, pred, target); or a
+  // custom_step, which computes the losses itself.
   template <typename Model, typename Optimizer, typename LossFn>
   Learner(Model model, Optimizer optimizer, LossFn loss) {
     if constexpr (detail::is_model_factory<Model>::value) {
-      static_assert(std::is_convertible_v<Optimizer, OptimizerFactory>,
-                    "torchpoint: a Learner made from a model_factory needs an optimizer factory "
-                    "(make_optimizer), since every fit makes a new optimizer");
-      OptimizerFactory make_optimizer = optimizer;
-      remake_ = [this, make = model.make, make_optimizer] {
-        auto fresh = make();
-        auto module = as_module(fresh);
-        model_ = module;
-        forward_ = [module](const at::Tensor& x) -> at::Tensor { return module->forward(x); };
-        optimizer_ = make_optimizer(module->parameters());
-      };
-      loss_ = as_loss(std::move(loss));
+      using Made = decltype(model.make());
+      if constexpr (std::is_invocable_r_v<NamedOptimizers, Optimizer&, Made&>) {
+        remake_ = [this, make = model.make, set_optimizers = optimizer]() mutable {
+          auto fresh = make();
+          auto module = as_module(fresh);
+          model_ = module;
+          forward_ = [module](const at::Tensor& x) -> at::Tensor { return module->forward(x); };
+          optimizers_ = set_optimizers(fresh);
+        };
+      } else {
+        static_assert(std::is_convertible_v<Optimizer, OptimizerFactory>,
+                      "torchpoint: a Learner made from a model_factory needs an optimizer factory "
+                      "(make_optimizer) or a function of the model returning NamedOptimizers, "
+                      "since every fit makes new optimizers");
+        OptimizerFactory make_optimizer = optimizer;
+        remake_ = [this, make = model.make, make_optimizer] {
+          auto fresh = make();
+          auto module = as_module(fresh);
+          model_ = module;
+          forward_ = [module](const at::Tensor& x) -> at::Tensor { return module->forward(x); };
+          optimizers_ = single(make_optimizer(module->parameters()));
+        };
+      }
+      take_loss(std::move(loss));
       remake_();
-      init(model_, forward_, optimizer_, loss_);
+      init(model_, forward_, optimizers_, loss_);
     } else {
       auto module = as_module(model);
       Forward forward = [module](const at::Tensor& x) -> at::Tensor { return module->forward(x); };
-      std::shared_ptr<torch::optim::Optimizer> opt;
+      NamedOptimizers optimizers;
       if constexpr (std::is_convertible_v<Optimizer, std::shared_ptr<torch::optim::Optimizer>>) {
-        opt = optimizer;
+        optimizers = single(optimizer);
+      } else if constexpr (std::is_convertible_v<Optimizer, NamedOptimizers>) {
+        optimizers = optimizer;
+      } else if constexpr (std::is_invocable_r_v<NamedOptimizers, Optimizer&, Model&>) {
+        optimizers = optimizer(model);
       } else {
-        opt = OptimizerFactory(optimizer)(module->parameters());
+        optimizers = single(OptimizerFactory(optimizer)(module->parameters()));
       }
-      init(module, std::move(forward), std::move(opt), as_loss(std::move(loss)));
+      take_loss(std::move(loss));
+      init(module, std::move(forward), std::move(optimizers), loss_);
     }
   }
   ~Learner();
@@ -434,7 +538,12 @@ class Learner {
 
   torch::nn::Module& model() { return *model_; }
   const std::shared_ptr<torch::nn::Module>& model_ptr() const { return model_; }
-  torch::optim::Optimizer& optimizer() { return *optimizer_; }
+  // The Learner's only optimizer; with several, throws InvalidArgument naming them (use
+  // optimizer(name)).
+  torch::optim::Optimizer& optimizer();
+  // The optimizer named `name`; throws InvalidArgument naming the ones there are.
+  torch::optim::Optimizer& optimizer(const std::string& name) { return optimizers_[name]; }
+  const NamedOptimizers& optimizers() const { return optimizers_; }
   const MetricRecords& records() const { return records_; }
   const TrainingCounters& counters() const { return counters_; }
 
@@ -448,25 +557,48 @@ class Learner {
       return model;
     }
   }
+  static NamedOptimizers single(std::shared_ptr<torch::optim::Optimizer> optimizer) {
+    NamedOptimizers one;
+    one.add("opt", std::move(optimizer));  // luz's name for a lone optimizer
+    return one;
+  }
   template <typename F>
-  static Loss as_loss(F f) {
+  static ContextLoss as_loss(F f) {
     if constexpr (std::is_invocable_r_v<at::Tensor, F, const at::Tensor&, const at::Tensor&>) {
       // mutable: a loss module (torch::nn::CrossEntropyLoss(), ...) is called through a
       // non-const operator().
-      return
-          [f](const at::Tensor& p, const at::Tensor& t) mutable -> at::Tensor { return f(p, t); };
+      return [f](const Context&, const at::Tensor& p, const at::Tensor& t) mutable -> at::Tensor {
+        return f(p, t);
+      };
+    } else if constexpr (std::is_invocable_r_v<at::Tensor, F, const Context&, const at::Tensor&,
+                                               const at::Tensor&>) {
+      return [f](const Context& ctx, const at::Tensor& p, const at::Tensor& t) mutable
+                 -> at::Tensor { return f(ctx, p, t); };
     } else {
       static_assert(
           std::is_invocable_r_v<at::Tensor, F, const at::Tensor&, const at::Tensor&, std::int64_t>,
-          "torchpoint: the loss must be callable as loss(pred, target)");
+          "torchpoint: the loss must be callable as loss(pred, target) or loss(ctx, pred, "
+          "target)");
       // A function pointer such as torch::mse_loss loses its default reduction argument.
-      return [f](const at::Tensor& p, const at::Tensor& t) -> at::Tensor {
+      return [f](const Context&, const at::Tensor& p, const at::Tensor& t) -> at::Tensor {
         return f(p, t, /*reduction=mean*/ 1);
       };
     }
   }
-  void init(std::shared_ptr<torch::nn::Module> model, Forward forward,
-            std::shared_ptr<torch::optim::Optimizer> optimizer, Loss loss);
+  // Sets the loss, or with a custom_step the step (and a loss that says it has none).
+  template <typename F>
+  void take_loss(F f) {
+    if constexpr (std::is_same_v<F, StepFunction>) {
+      if (!f.fn) throw Error(ErrorCode::InvalidArgument, "custom_step was given no function");
+      step_ = std::move(f.fn);
+      loss_ = no_loss();
+    } else {
+      loss_ = as_loss(std::move(f));
+    }
+  }
+  static ContextLoss no_loss();
+  void init(std::shared_ptr<torch::nn::Module> model, Forward forward, NamedOptimizers optimizers,
+            ContextLoss loss);
   // With a model_factory: replaces the model, forward and optimizer with new ones.
   std::function<void()> remake_;
   bool fitted_ = false;  // a fit has started: the next one remakes the model, if it can
@@ -474,8 +606,9 @@ class Learner {
   friend struct detail::FitRun;
   std::shared_ptr<torch::nn::Module> model_;
   Forward forward_;
-  std::shared_ptr<torch::optim::Optimizer> optimizer_;
-  Loss loss_;
+  NamedOptimizers optimizers_;
+  ContextLoss loss_;
+  std::function<void(Context&)> step_;  // a custom_step, if any
   MetricRecords records_;
   TrainingCounters counters_;
   detail::FitRun* run_ = nullptr;  // the fit in progress, if any

@@ -550,12 +550,29 @@ class EarlyStopping final : public Callback {
 class LRSchedulerCallback final : public Callback {
  public:
   explicit LRSchedulerCallback(LRSchedulerOptions options)
-      : Callback("lr_scheduler"), options_(std::move(options)) {
+      : Callback(options.name()), options_(std::move(options)) {
     if (!options_.factory()) {
       throw Error(ErrorCode::InvalidArgument, "lr_scheduler needs a scheduler factory");
     }
   }
-  void on_fit_begin(Context& ctx) override { scheduler_ = options_.factory()(*ctx.optimizer); }
+  void on_fit_begin(Context& ctx) override {
+    const NamedOptimizers& optimizers = *ctx.optimizers;
+    attached_ = options_.opt_name();
+    if (attached_.empty()) {
+      if (optimizers.size() != 1) {
+        throw Error(ErrorCode::InvalidArgument,
+                    fmt::format("{}: this fit has {} optimizers ({}); say which one the scheduler "
+                                "is for with .opt_name(name)",
+                                name(), optimizers.size(), fmt::join(optimizers.names(), ", ")));
+      }
+      attached_ = optimizers.begin()->first;
+    } else if (!optimizers.contains(attached_)) {
+      throw Error(ErrorCode::InvalidArgument,
+                  fmt::format("{}: opt_name '{}' is not an optimizer of this fit (it has: {})",
+                              name(), attached_, fmt::join(optimizers.names(), ", ")));
+    }
+    scheduler_ = options_.factory()(optimizers[attached_]);
+  }
   void on_train_batch_end(Context&) override {
     if (options_.step_every_batch()) scheduler_->step();
   }
@@ -563,19 +580,38 @@ class LRSchedulerCallback final : public Callback {
     if (!options_.step_every_batch()) scheduler_->step();
   }
   StateDict state_dict() const override {
-    return scheduler_ ? scheduler_->state_dict() : StateDict();
+    if (!scheduler_) return StateDict();
+    StateDict s = scheduler_->state_dict();
+    s.set(kOptName, attached_);
+    return s;
   }
   void load_state_dict(const StateDict& s) override {
     if (!scheduler_) {
       throw Error(ErrorCode::InvalidArgument,
                   "lr_scheduler: its state can only be restored during a fit");
     }
-    scheduler_->load_state_dict(s);
+    if (!s.contains(kOptName)) {  // saved before schedulers recorded their optimizer
+      scheduler_->load_state_dict(s);
+      return;
+    }
+    auto saved = s.get<std::string>(kOptName);
+    if (saved != attached_) {
+      throw Error(ErrorCode::Incompatible,
+                  fmt::format("{}: the saved scheduler was attached to optimizer '{}', this "
+                              "fit's is attached to '{}'; give it .opt_name(\"{}\") (or give "
+                              "the callback another name)",
+                              name(), saved, attached_, saved));
+    }
+    StateDict own = s.clone();
+    own.erase(kOptName);
+    scheduler_->load_state_dict(own);
   }
   LRScheduler* scheduler() const { return scheduler_.get(); }
 
  private:
+  static constexpr const char* kOptName = "opt_name";
   LRSchedulerOptions options_;
+  std::string attached_;  // the name of the optimizer scheduled
   std::unique_ptr<LRScheduler> scheduler_;
 };
 

@@ -26,6 +26,9 @@ namespace detail {
 
 at::Tensor stack_samples(const std::vector<at::Tensor>& samples) { return at::stack(samples); }
 
+// What the default passes loop over with a custom step: nothing.
+const NamedOptimizers kNoOptimizers{};
+
 void FitRun::each(const char* name, void (Callback::*hook)(Context&)) {
   for (const CallbackPtr& callback : callbacks) {
     try {
@@ -52,7 +55,36 @@ void FitRun::add_batch(const std::string& set) {
   at::NoGradGuard no_grad;
   Accumulator& loss = progress[set + "_loss"];
   auto n = ctx.input.size(0);
-  loss.sum += ctx.loss.item<double>() * static_cast<double>(n);
+  if (ctx.optimizers->size() == 1) {
+    // A custom step may have set only ctx.losses.
+    const at::Tensor& value =
+        ctx.loss.defined() || ctx.losses.empty() ? ctx.loss : ctx.losses.begin()->second;
+    if (!value.defined()) {
+      throw Error(ErrorCode::InvalidArgument,
+                  "fit: the custom step set no loss for this batch; set ctx.loss (or "
+                  "ctx.losses[<optimizer name>])");
+    }
+    loss.sum += value.item<double>() * static_cast<double>(n);
+  } else {
+    // Several optimizers: each one's loss, and their sum as the loss (in the optimizers' order,
+    // so that every run adds them alike).
+    double total = 0;
+    for (const auto& [name, opt] : *ctx.optimizers) {
+      auto it = ctx.losses.find(name);
+      if (it == ctx.losses.end() || !it->second.defined()) {
+        throw Error(ErrorCode::InvalidArgument,
+                    fmt::format("fit: no loss of optimizer '{}' in ctx.losses for this batch; a "
+                                "custom step sets ctx.losses[name] for each optimizer ({})",
+                                name, fmt::join(ctx.optimizers->names(), ", ")));
+      }
+      double value = it->second.item<double>();
+      total += value;
+      Accumulator& own = progress[set + "_loss_" + name];
+      own.sum += value * static_cast<double>(n);
+      own.count += n;
+    }
+    loss.sum += total * static_cast<double>(n);
+  }
   loss.count += n;
   for (const Metric& m : metrics) {
     accumulate(progress[set + "_" + m.name()], m.values(ctx.pred, ctx.target));
@@ -198,15 +230,75 @@ AsyncCheckpointer& Context::background_saver() {
   return *async_saver;
 }
 
+NamedOptimizers::NamedOptimizers(std::initializer_list<Entry> entries) {
+  for (const Entry& e : entries) add(e.first, e.second);
+}
+
+NamedOptimizers& NamedOptimizers::add(std::string name,
+                                      std::shared_ptr<torch::optim::Optimizer> optimizer) {
+  if (!valid_name(name)) {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("optimizer name '{}' is not usable: use letters, digits and '_' (it "
+                            "names the optimizer's state in checkpoints)",
+                            name));
+  }
+  if (contains(name)) {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("two optimizers are named '{}'; give each its own name", name));
+  }
+  if (!optimizer) {
+    throw Error(ErrorCode::InvalidArgument, fmt::format("optimizer '{}' is null", name));
+  }
+  entries_.emplace_back(std::move(name), std::move(optimizer));
+  return *this;
+}
+
+bool NamedOptimizers::contains(const std::string& name) const {
+  return std::any_of(entries_.begin(), entries_.end(),
+                     [&](const Entry& e) { return e.first == name; });
+}
+
+std::vector<std::string> NamedOptimizers::names() const {
+  std::vector<std::string> out;
+  for (const Entry& e : entries_) out.push_back(e.first);
+  return out;
+}
+
+torch::optim::Optimizer& NamedOptimizers::operator[](const std::string& name) const {
+  for (const Entry& e : entries_) {
+    if (e.first == name) return *e.second;
+  }
+  throw Error(ErrorCode::InvalidArgument,
+              fmt::format("there is no optimizer named '{}' (there are: {})", name,
+                          entries_.empty() ? "none" : fmt::format("{}", fmt::join(names(), ", "))));
+}
+
 void Learner::init(std::shared_ptr<torch::nn::Module> model, Forward forward,
-                   std::shared_ptr<torch::optim::Optimizer> optimizer, Loss loss) {
-  if (!model || !optimizer || !forward || !loss) {
+                   NamedOptimizers optimizers, ContextLoss loss) {
+  if (!model || optimizers.empty() || !forward || !loss) {
     throw Error(ErrorCode::InvalidArgument, "Learner needs a model, an optimizer and a loss");
   }
   model_ = std::move(model);
   forward_ = std::move(forward);
-  optimizer_ = std::move(optimizer);
+  optimizers_ = std::move(optimizers);
   loss_ = std::move(loss);
+}
+
+Learner::ContextLoss Learner::no_loss() {
+  return [](const Context&, const at::Tensor&, const at::Tensor&) -> at::Tensor {
+    throw Error(ErrorCode::InvalidArgument,
+                "this Learner was made with a custom_step, which computes its losses: it has no "
+                "loss function of its own");
+  };
+}
+
+torch::optim::Optimizer& Learner::optimizer() {
+  if (optimizers_.size() != 1) {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("this Learner has {} optimizers ({}): say which with optimizer(name)",
+                            optimizers_.size(), fmt::join(optimizers_.names(), ", ")));
+  }
+  return *optimizers_.begin()->second;
 }
 
 Learner::~Learner() = default;
@@ -233,11 +325,51 @@ std::map<std::string, double> Learner::evaluate(const FitData& data, std::int64_
   at::NoGradGuard no_grad;
   std::map<std::string, detail::Accumulator> acc;
   auto step = static_cast<std::size_t>(batch_size);
+  // What a loss that reads the context sees: the learner and which optimizer's loss this is.
+  Context ctx;
+  ctx.learner = this;
+  ctx.model = model_.get();
+  ctx.optimizers = &optimizers_;
+  ctx.set = "valid";
   for (std::size_t begin = 0; begin < data.size(); begin += step) {
     auto [x, y] = data.batch(sequential(begin, std::min(data.size(), begin + step)));
-    at::Tensor pred = forward_(x);
     auto n = x.size(0);
-    acc["valid_loss"].sum += loss_(pred, y).item<double>() * static_cast<double>(n);
+    ctx.input = x;
+    ctx.target = y;
+    at::Tensor pred;
+    double total = 0;
+    if (step_) {
+      ctx.losses.clear();
+      ctx.loss = ctx.pred = at::Tensor();
+      step_(ctx);
+      pred = ctx.pred;
+    }
+    for (const auto& [name, opt] : optimizers_) {
+      ctx.opt_name = name;
+      ctx.optimizer = opt.get();
+      double value = 0;
+      if (step_) {
+        auto it = ctx.losses.find(name);
+        const at::Tensor& l = it != ctx.losses.end() ? it->second : ctx.loss;
+        if (!l.defined()) {
+          throw Error(ErrorCode::InvalidArgument,
+                      fmt::format("evaluate: the custom step set no loss of optimizer '{}'; set "
+                                  "ctx.losses[name] for each optimizer (or ctx.loss)",
+                                  name));
+        }
+        value = l.item<double>();
+      } else {
+        pred = forward_(x);
+        ctx.pred = pred;
+        value = loss_(ctx, pred, y).item<double>();
+      }
+      total += value;
+      if (optimizers_.size() > 1) {
+        acc["valid_loss_" + name].sum += value * static_cast<double>(n);
+        acc["valid_loss_" + name].count += n;
+      }
+    }
+    acc["valid_loss"].sum += total * static_cast<double>(n);
     acc["valid_loss"].count += n;
     for (const Metric& m : metrics) {
       detail::accumulate(acc["valid_" + m.name()], m.values(pred, y));
@@ -262,6 +394,11 @@ FitResult Learner::fit(const FitData& data, const FitOptions& options) {
 
   std::shared_ptr<ProcessGroup> group =
       options.process_group() ? options.process_group() : ProcessGroup::from_environment();
+  if (group && step_) {
+    throw Error(ErrorCode::Unsupported,
+                "fit: a Learner with a custom_step trains on one process only for now (the step "
+                "would have to average the gradients itself)");
+  }
   std::uint64_t seed = options.seed() ? *options.seed() : draw_seed();
   if (group && !options.seed()) {
     // Each process drew from its own generator: the order is rank 0's.
@@ -308,10 +445,19 @@ FitResult Learner::fit(const FitData& data, const FitOptions& options) {
     if (std::string(set) == "valid" && valid == nullptr) continue;
     std::set<std::string> seen;
     run.monitors.push_back(std::string(set) + "_loss");
+    if (optimizers_.size() > 1) {
+      for (const std::string& name : optimizers_.names()) {
+        seen.insert("loss_" + name);
+        run.monitors.push_back(std::string(set) + "_loss_" + name);
+      }
+    }
     for (const Metric& m : run.metrics) {
       if (!seen.insert(m.name()).second) {
         throw Error(ErrorCode::InvalidArgument,
-                    fmt::format("fit: two metrics are named '{}'", m.name()));
+                    fmt::format("fit: two metrics are named '{}'{}", m.name(),
+                                m.name().rfind("loss_", 0) == 0
+                                    ? " (each optimizer's loss is recorded as loss_<name>)"
+                                    : ""));
       }
       run.monitors.push_back(std::string(set) + "_" + m.name());
     }
@@ -332,7 +478,9 @@ FitResult Learner::fit(const FitData& data, const FitOptions& options) {
   Context& ctx = run.ctx;
   ctx.learner = this;
   ctx.model = model_.get();
-  ctx.optimizer = optimizer_.get();
+  ctx.optimizers = &optimizers_;
+  ctx.opt_name = optimizers_.begin()->first;
+  ctx.optimizer = optimizers_.begin()->second.get();
   ctx.options = &options;
   ctx.records = &records_;
   ctx.env = run.env;
@@ -392,26 +540,44 @@ FitResult Learner::fit(const FitData& data, const FitOptions& options) {
       ctx.target = y;
       ctx.pred = at::Tensor();
       ctx.loss = at::Tensor();
+      ctx.losses.clear();
       run.each("on_train_batch_begin", &Callback::on_train_batch_begin);
-      compat::zero_grad(*optimizer_);
-      ctx.pred = forward_(ctx.input);
-      run.each("on_train_batch_after_pred", &Callback::on_train_batch_after_pred);
-      ctx.loss = loss_(ctx.pred, ctx.target);
-      run.each("on_train_batch_after_loss", &Callback::on_train_batch_after_loss);
-      run.each("on_train_batch_before_backward", &Callback::on_train_batch_before_backward);
-      ctx.loss.backward();
-      if (group) {
-        std::vector<at::Tensor> grads;
-        for (const at::Tensor& p : model_->parameters()) {
-          if (p.requires_grad() && p.grad().defined()) grads.push_back(p.grad());
-        }
-        group->average_tensors(grads, "fit(): averaging the gradients");
+      if (step_) {
+        step_(ctx);
+        ++counters_.step;
+        ctx.step = counters_.step;
       }
-      run.each("on_train_batch_before_step", &Callback::on_train_batch_before_step);
-      optimizer_->step();
-      ++counters_.step;
-      ctx.step = counters_.step;
-      run.each("on_train_batch_after_step", &Callback::on_train_batch_after_step);
+      // fit()'s own passes, one per optimizer (none with a custom step, which made them).
+      std::size_t pass = 0;
+      for (const auto& [name, optimizer] : step_ ? detail::kNoOptimizers : optimizers_) {
+        ctx.opt_name = name;
+        ctx.optimizer = optimizer.get();
+        // Only this optimizer's gradients: an earlier pass's backward may have left gradients
+        // on its parameters, which must not add to this pass's.
+        compat::zero_grad(*optimizer);
+        ctx.pred = forward_(ctx.input);
+        run.each("on_train_batch_after_pred", &Callback::on_train_batch_after_pred);
+        ctx.loss = loss_(ctx, ctx.pred, ctx.target);
+        ctx.losses[name] = ctx.loss.detach();
+        run.each("on_train_batch_after_loss", &Callback::on_train_batch_after_loss);
+        run.each("on_train_batch_before_backward", &Callback::on_train_batch_before_backward);
+        ctx.loss.backward();
+        if (group) {
+          std::vector<at::Tensor> grads;
+          for (const at::Tensor& p : model_->parameters()) {
+            if (p.requires_grad() && p.grad().defined()) grads.push_back(p.grad());
+          }
+          group->average_tensors(grads, "fit(): averaging the gradients");
+        }
+        run.each("on_train_batch_before_step", &Callback::on_train_batch_before_step);
+        optimizer->step();
+        if (++pass == optimizers_.size()) {
+          // One step per batch, whatever the number of optimizers.
+          ++counters_.step;
+          ctx.step = counters_.step;
+        }
+        run.each("on_train_batch_after_step", &Callback::on_train_batch_after_step);
+      }
       run.add_batch("train");
       // The batch counts as consumed before on_train_batch_end, where a checkpoint may be
       // taken: a run resumed from it must continue with the next batch.
@@ -439,11 +605,22 @@ FitResult Learner::fit(const FitData& data, const FitOptions& options) {
         ctx.batch = ++batch;
         ctx.input = x;
         ctx.target = y;
+        ctx.losses.clear();
         run.each("on_valid_batch_begin", &Callback::on_valid_batch_begin);
-        ctx.pred = forward_(ctx.input);
-        run.each("on_valid_batch_after_pred", &Callback::on_valid_batch_after_pred);
-        ctx.loss = loss_(ctx.pred, ctx.target);
-        run.each("on_valid_batch_after_loss", &Callback::on_valid_batch_after_loss);
+        if (step_) {
+          ctx.loss = ctx.pred = at::Tensor();
+          step_(ctx);
+        }
+        // As luz: each optimizer's loss, in their order.
+        for (const auto& [name, optimizer] : step_ ? detail::kNoOptimizers : optimizers_) {
+          ctx.opt_name = name;
+          ctx.optimizer = optimizer.get();
+          ctx.pred = forward_(ctx.input);
+          run.each("on_valid_batch_after_pred", &Callback::on_valid_batch_after_pred);
+          ctx.loss = loss_(ctx, ctx.pred, ctx.target);
+          ctx.losses[name] = ctx.loss;
+          run.each("on_valid_batch_after_loss", &Callback::on_valid_batch_after_loss);
+        }
         run.add_batch("valid");
         progress.valid_batch(batch, run.progress["valid_loss"].mean());
         run.each("on_valid_batch_end", &Callback::on_valid_batch_end);

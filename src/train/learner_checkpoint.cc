@@ -1,12 +1,16 @@
 // Learner checkpoints: one container file (what luz's callbacks write, e.g. state.ckpt) holding
 // the learner's components under prefixes:
 //   learner.*    format, position (epoch_end / mid_epoch), stop flag, callbacks with state
+//   learner.optimizers  the optimizers' names, in order (absent in files written before names:
+//                one optimizer)
 //   model.*      optimizer.*  counters.*  records.*
+//                (optimizer.*: one optimizer's state; with several, optimizer.<name>.*)
 //   sampler.*    progress.*   (data position and the running epoch's sums; during a fit)
 //   callbacks.*  (each callback's state, under its name; during a fit)
 //   rng.*        (restored last)
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <mutex>
@@ -35,11 +39,71 @@ struct ModelPart {
   void load_state_dict(const StateDict& s) { load_module_state_dict(*model, s); }
 };
 
-struct OptimizerPart {
-  torch::optim::Optimizer* optimizer;
-  StateDict state_dict() const { return optimizer_state_dict(*optimizer); }
-  void load_state_dict(const StateDict& s) { load_optimizer_state_dict(*optimizer, s); }
+// Every optimizer: a lone one's state directly (as in files written before optimizers had
+// names), several each under its name. restore_checkpoint() has checked the names; if one
+// optimizer refuses its state, those already loaded are put back.
+struct OptimizersPart {
+  const NamedOptimizers* optimizers;
+  StateDict state_dict() const {
+    if (optimizers->size() == 1) return optimizer_state_dict(*optimizers->begin()->second);
+    StateDict s;
+    for (const auto& [name, optimizer] : *optimizers) {
+      s.set_child(name, optimizer_state_dict(*optimizer));
+    }
+    return s;
+  }
+  void load_state_dict(const StateDict& s) {
+    if (optimizers->size() == 1) {
+      load_optimizer_state_dict(*optimizers->begin()->second, s);
+      return;
+    }
+    std::vector<std::pair<torch::optim::Optimizer*, StateDict>> undo;
+    try {
+      for (const auto& [name, optimizer] : *optimizers) {
+        StateDict before = optimizer_state_dict(*optimizer).clone();
+        load_optimizer_state_dict(*optimizer, s.child(name));
+        undo.emplace_back(optimizer.get(), std::move(before));
+      }
+    } catch (...) {
+      for (auto it = undo.rbegin(); it != undo.rend(); ++it) {
+        try {
+          load_optimizer_state_dict(*it->first, it->second);
+        } catch (...) {  // swallowed on purpose: the original error is the one to report
+        }
+      }
+      throw;
+    }
+  }
 };
+
+constexpr const char* kOptimizerNames = "learner.optimizers";
+
+// A restore of the optimizer state needs the same optimizers by name. A file written before
+// optimizers had names holds one, which any Learner with one optimizer takes.
+void check_optimizer_names(const std::string& path, const StateDict& state,
+                           const NamedOptimizers& optimizers) {
+  const std::vector<std::string> ours = optimizers.names();
+  if (!state.contains(kOptimizerNames)) {
+    if (ours.size() == 1) return;
+    throw Error(ErrorCode::Incompatible,
+                fmt::format("{} holds the state of one optimizer, saved without a name, but this "
+                            "Learner has {} optimizers {{{}}}; restore it into a Learner with one "
+                            "optimizer, or without the optimizer state",
+                            path, ours.size(), fmt::join(ours, ", ")));
+  }
+  auto saved = state.get<std::vector<std::string>>(kOptimizerNames);
+  auto sorted = [](std::vector<std::string> v) {
+    std::sort(v.begin(), v.end());
+    return v;
+  };
+  if (sorted(saved) != sorted(ours)) {
+    throw Error(ErrorCode::Incompatible,
+                fmt::format("{} holds the optimizers {{{}}} but this Learner has {{{}}}; make the "
+                            "Learner with optimizers of the same names (NamedOptimizers), or "
+                            "restore without the optimizer state",
+                            path, fmt::join(saved, ", "), fmt::join(ours, ", ")));
+  }
+}
 
 struct RecordsPart {
   MetricRecords* records;
@@ -285,7 +349,8 @@ Container Learner::checkpoint_contents() const {
   }
   state.set("learner.metrics", last_metrics);
   state.set_child("model", module_state_dict(*model_));
-  state.set_child("optimizer", optimizer_state_dict(*optimizer_));
+  state.set(kOptimizerNames, Json(optimizers_.names()));
+  state.set_child("optimizer", OptimizersPart{&optimizers_}.state_dict());
   state.set_child("counters", counters_.state_dict());
   state.set_child("records", records_.state_dict());
   if (run_ != nullptr) {
@@ -349,8 +414,9 @@ void Learner::restore_checkpoint(const std::string& path, const RestoreOptions& 
     set.add("model", ModelPart{model_.get()});
   }
   if (what.optimizer()) {
+    check_optimizer_names(path, state, optimizers_);
     select("optimizer");
-    set.add("optimizer", OptimizerPart{optimizer_.get()});
+    set.add("optimizer", OptimizersPart{&optimizers_});
   }
   if (what.records()) {
     select("records");
