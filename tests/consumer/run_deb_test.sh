@@ -76,7 +76,7 @@ done < <(dpkg-deb -c "$deb" | awk '{ print $1, $6 }')
 config_dir=/usr/$libdir/cmake/torchpoint
 expected=(/usr/bin/torchpoint "/usr/$libdir/libtorchpoint.a" "$config_dir/torchpointConfig.cmake"
   "$config_dir/torchpointConfigVersion.cmake" "$config_dir/torchpointTargets.cmake"
-  "$config_dir/FindxxHash.cmake")
+  "$config_dir/FindxxHash.cmake" "$config_dir/torchpoint_torch_paths.cmake")
 for h in "$source_dir"/include/torchpoint/*.h; do expected+=("/usr/include/torchpoint/$(basename "$h")"); done
 for f in "${expected[@]}"; do
   [[ " ${files[*]} " == *" $f "* ]] || fail "the package lacks $f"
