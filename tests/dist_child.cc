@@ -12,8 +12,13 @@
 //            "error <message>"         "final <digest of the whole state>"
 //          and rank 0 writes the final model to LOG.model.safetensors.
 //   PLAN   what goes wrong, on the first attempt only (TORCHELASTIC_RESTART_COUNT=0):
-//            none | kill:R:step:N | kill:R:save:K:op:M | fail:R:save:K | hang:R:step:N |
-//            hang:R:save:K | stop:step:N (every rank exits 0 right after step N's save)
+//            none | kill:R:step:N | kill:R:save:K:op:M | kill:R:load:M | fail:R:save:K |
+//            hang:R:step:N | hang:R:save:K | stop:step:N (every rank exits 0 right after step
+//            N's save)
+//            kill:R:load:M: rank R kills itself after step 9 (two saves), then, started again,
+//            at its M-th file-system call inside load_state.
+//            A kill fires once per LOG prefix (a file LOG.fired.K records it), whichever torchrun
+//            agent and restart count the rank has.
 //          R is the rank it happens on; K counts this process's saves from 1; op:M is the M-th
 //          file-system call of that save on that rank.
 //   BATCH  samples per process per step (16).
@@ -25,6 +30,8 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <string>
 
 #include "format/checksum.h"
@@ -68,22 +75,35 @@ int main(int argc, char** argv) {
   }
   const std::string project = argv[1], plan = argv[3];
   const int rank = env_int("RANK", 0), world = env_int("WORLD_SIZE", 1);
-  const bool first_attempt = env_int("TORCHELASTIC_RESTART_COUNT", 0) == 0;
+  // Kills already done (the marker files of earlier starts): a plan fires once, however the
+  // torchrun agents count their restarts.
+  const std::string marker = std::string(argv[2]) + ".fired.";
+  int fired = 0;
+  while (std::filesystem::exists(marker + std::to_string(fired + 1))) ++fired;
+  auto kill_self = [&] {
+    tp::testing::append_line(marker + std::to_string(fired + 1), "fired");
+    ::raise(SIGKILL);
+  };
+  const bool first_attempt = fired == 0;
   const std::string log = std::string(argv[2]) + "." + std::to_string(rank);
   const long batch = argc > 4 ? std::atol(argv[4]) : 16;
   const bool accumulate = env_int("TORCHPOINT_TEST_ACCUMULATE", 0) == 1;
 
   char what[16] = "";
   int plan_rank = -1;
-  long kill_step = -1, kill_save = -1, kill_op = -1, fail_save = -1, hang_step = -1, hang_save = -1,
-       stop_step = -1;
-  if (std::sscanf(plan.c_str(), "%15[a-z]:%d:", what, &plan_rank) == 2 && first_attempt &&
-      plan_rank == rank) {
+  long kill_step = -1, kill_save = -1, kill_op = -1, kill_load_op = -1, fail_save = -1,
+       hang_step = -1, hang_save = -1, stop_step = -1;
+  if (std::sscanf(plan.c_str(), "%15[a-z]:%d:", what, &plan_rank) == 2 && plan_rank == rank &&
+      (first_attempt || (fired == 1 && plan.find(":load:") != std::string::npos))) {
     const char* rest = std::strchr(plan.c_str() + std::strlen(what) + 1, ':') + 1;
     std::string w = what;
     if (w == "kill") {
       std::sscanf(rest, "step:%ld", &kill_step);
       std::sscanf(rest, "save:%ld:op:%ld", &kill_save, &kill_op);
+      if (std::sscanf(rest, "load:%ld", &kill_load_op) == 1 && first_attempt) {
+        kill_load_op = -1;
+        kill_step = 9;
+      }
     } else if (w == "fail") {
       std::sscanf(rest, "save:%ld", &fail_save);
     } else if (w == "hang") {
@@ -93,13 +113,16 @@ int main(int argc, char** argv) {
   }
   if (first_attempt) std::sscanf(plan.c_str(), "stop:step:%ld", &stop_step);
 
+  tp::testing::append_line(
+      log, fmt::format("pid {} {}", ::getpid(), env_int("TORCHELASTIC_RESTART_COUNT", 0)));
   tp::testing::FaultEnv env;
-  long saves = 0, ops_in_save = 0;
-  bool in_save = false;
+  long saves = 0, ops_in_save = 0, ops_in_load = 0;
+  bool in_save = false, in_load = false;
   env.set_before_op([&](tp::testing::Op, const std::string&) {
+    if (in_load && ++ops_in_load == kill_load_op) kill_self();
     if (!in_save) return;
     ++ops_in_save;
-    if (saves == kill_save && ops_in_save == kill_op) ::raise(SIGKILL);
+    if (saves == kill_save && ops_in_save == kill_op) kill_self();
   });
 
   try {
@@ -130,9 +153,24 @@ int main(int argc, char** argv) {
     tp::TrainingCounters counters;
     acc.prepare(model, optimizer, loader, scheduler, scaler);
     acc.register_for_checkpointing(counters);
+    // Hooks as Accelerate calls them, on every process: each writes a file of its own into the
+    // checkpoint (committed with it), and each load is logged.
+    acc.register_save_state_pre_hook([&](tp::Accelerator::ModelList& models,
+                                         std::vector<tp::StateDict>& weights,
+                                         const std::string& dir) {
+      if (models.size() != 1 || weights.size() != 1) {
+        throw std::runtime_error("the save hook did not get the model and its state");
+      }
+      std::ofstream(fmt::format("{}/hook_rank{}.txt", dir, rank)) << counters.step << "\n";
+    });
+    acc.register_load_state_pre_hook([&](tp::Accelerator::ModelList& models, const std::string&) {
+      tp::testing::append_line(log, fmt::format("load_hook {}", models.size()));
+    });
 
     if (!acc.list_checkpoints().empty()) {
+      in_load = true;
       tp::LoadStateReport r = acc.load_state();
+      in_load = false;
       tp::testing::append_line(log, fmt::format("resumed {} {}", r.path, r.saved_world_size));
     }
     auto params_digest = [&] {
@@ -143,7 +181,8 @@ int main(int argc, char** argv) {
       }
       return tp::checksum_hex(h.digest());
     };
-    while (counters.epoch < 3) {
+    const long epochs = env_int("TORCHPOINT_TEST_EPOCHS", 3);
+    while (counters.epoch < epochs) {
       for (auto& b : *loader) {
         if (counters.step + 1 == hang_step) ::sleep(600);
         optimizer.zero_grad();
@@ -174,7 +213,7 @@ int main(int argc, char** argv) {
         }
         tp::testing::append_line(log, fmt::format("samples {} {}", counters.epoch, samples));
         tp::testing::append_line(log, fmt::format("step {} {}", counters.step, params_digest()));
-        if (counters.step == kill_step) ::raise(SIGKILL);
+        if (counters.step == kill_step) kill_self();
         if (counters.step % 4 == 0) {
           ++saves;
           ops_in_save = 0;

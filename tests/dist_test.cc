@@ -7,16 +7,21 @@
 #include <netinet/in.h>
 #include <stdlib.h>
 #include <sys/socket.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <random>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "testing/test_util.h"
 #include "tests/child_log.h"
@@ -106,7 +111,8 @@ std::vector<std::string> committed(const std::string& dir) {
   std::vector<std::string> out;
   std::string checkpoints = dir + "/project/checkpoints";
   for (const std::string& name : tt::list_sorted(checkpoints)) {
-    if (name != ".lock") out.push_back(name);
+    // Not the lock, nor the temporary directory of a save that never committed.
+    if (name != ".lock" && name.find(".tmp-") == std::string::npos) out.push_back(name);
   }
   return out;
 }
@@ -136,6 +142,55 @@ void expect_close_models(const std::string& a_path, const std::string& b_path, d
     double diff = (a.tensor(key) - b.tensor(key)).abs().max().item<double>();
     EXPECT_LE(diff, tolerance) << key;
   }
+}
+
+// A TCP port nothing listens on at `address` now (the kernel's choice).
+int free_port(const std::string& address) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  ::inet_pton(AF_INET, address.c_str(), &a.sin_addr);
+  a.sin_port = 0;
+  socklen_t size = sizeof a;
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &size) != 0) {
+    ADD_FAILURE() << "no free port on " << address << ": " << std::strerror(errno);
+  }
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+// Runs dist_child as two "nodes": two torchrun agents on 127.0.0.2 and 127.0.0.3 (the
+// rendezvous, c10d's, on the first), `per_node` processes each, each agent allowed
+// `max_restarts` restarts. Both agents' output goes to LOG.agent0.out and LOG.agent1.out; the
+// status is the first non-zero one of the two.
+ChildRun run_two_nodes(const std::string& dir, const std::string& log, const std::string& plan,
+                       int per_node = 1, int max_restarts = 3, const std::string& extra_env = "") {
+  const int port = free_port("127.0.0.2");
+  std::string script;
+  for (int node = 0; node < 2; ++node) {
+    const std::string address = node == 0 ? "127.0.0.2" : "127.0.0.3";
+    script += fmt::format(
+        "( GLOO_SOCKET_IFNAME=lo {} {} -m torch.distributed.run --nnodes 2 --nproc-per-node {} "
+        "--rdzv-backend c10d --rdzv-endpoint 127.0.0.2:{} --rdzv-id tp{} --rdzv-conf "
+        "is_host={} --local-addr {} --max-restarts {} --monitor-interval 0.1 --no-python {} "
+        "{}/project {}/{} {} 16 > {}/{}.agent{}.out 2>&1; echo $? > {}/{}.agent{}.rc ) & ",
+        extra_env, tt::python(), per_node, port, port, node == 0 ? "true" : "false", address,
+        max_restarts, DIST_CHILD, dir, dir, log, plan, dir, log, node, dir, log, node);
+  }
+  script += "wait";
+  ChildRun run;
+  const int status = std::system(script.c_str());
+  run.status = status;
+  for (int node = 0; node < 2; ++node) {
+    run.output += tt::read_bytes(fmt::format("{}/{}.agent{}.out", dir, log, node));
+    std::string rc = tt::read_bytes(fmt::format("{}/{}.agent{}.rc", dir, log, node));
+    if (run.status == 0 && std::atoi(rc.c_str()) != 0) run.status = std::atoi(rc.c_str());
+  }
+  for (int r = 0; r < 2 * per_node; ++r) {
+    run.logs.push_back(read_log(fmt::format("{}/{}.{}", dir, log, r)));
+  }
+  return run;
 }
 
 }  // namespace
@@ -279,6 +334,8 @@ TEST(DistributedAccelerator, TwoAndFourProcessesStayIdenticalAndMatchOneProcess)
       for (int r = 0; r < world; ++r) {
         EXPECT_TRUE(
             std::filesystem::exists(fmt::format("{}/random_states_{}.safetensors", path, r)));
+        // Every process's save hook ran and its file was committed (and verified) with the rest.
+        EXPECT_TRUE(std::filesystem::exists(fmt::format("{}/hook_rank{}.txt", path, r)));
       }
     }
   }
@@ -395,6 +452,122 @@ TEST(DistributedAccelerator, AWriteFailingOnOneRankCommitsNothing) {
     // Saves at steps 4, 8 (failed, its number unused), 12 and 16; total_limit 3.
     EXPECT_EQ(committed(sub),
               (std::vector<std::string>{"checkpoint_0", "checkpoint_2", "checkpoint_3"}));
+  }
+}
+
+// Two torchrun agents ("nodes", one process each), and one worker killed: its agent restarts it
+// and counts a restart, the other agent restarts its own for the membership change and does not,
+// so TORCHELASTIC_RESTART_COUNT differs between the ranks. They must meet again all the same,
+// whichever rank dies and wherever (mid-step, inside a save, inside the load of the restart),
+// and end bit-identical to the one-agent run.
+TEST(DistributedAccelerator, TwoAgentsMeetAgainWhicheverWorkerDies) {
+  tt::TempDir dir;
+  ChildRun reference = run_child(dir.path(), "reference", 2, "none");
+  ASSERT_EQ(reference.status, 0) << reference.output;
+  const std::map<long, std::string> steps = last_digest_by_step(reference.logs[0]);
+  int counts_differed = 0;
+  for (std::string plan :
+       {"kill:1:step:6", "kill:0:save:2:op:3", "kill:1:save:3:op:5", "kill:0:load:4"}) {
+    SCOPED_TRACE(plan);
+    std::string sub = dir.path() + "/" + std::to_string(std::hash<std::string>()(plan));
+    std::filesystem::create_directories(sub);
+    ChildRun run = run_two_nodes(sub, "log", plan);
+    ASSERT_EQ(run.status, 0) << run.output;
+    const int starts = plan.find(":load:") != std::string::npos ? 3 : 2;
+    EXPECT_EQ(run.logs[0].other["checked"].size(), static_cast<std::size_t>(starts));
+    EXPECT_TRUE(run.logs[0].other["bad"].empty());
+    for (int r = 0; r < 2; ++r) {
+      for (const auto& [step, digest] : run.logs[r].steps) {
+        EXPECT_EQ(digest, steps.at(step)) << "rank " << r << " step " << step;
+      }
+      EXPECT_EQ(last_digest_by_step(run.logs[r]), steps);
+      EXPECT_EQ(run.logs[r].other["final"], reference.logs[r].other["final"]) << "rank " << r;
+      EXPECT_EQ(run.logs[r].other["pid"].size(), static_cast<std::size_t>(starts));
+      // Every process runs the load hooks, as Accelerate does (a load killed early may not have
+      // reached them).
+      EXPECT_GE(run.logs[r].other["load_hook"].size(), run.logs[r].other["resumed"].size());
+      EXPECT_LE(run.logs[r].other["load_hook"].size(), static_cast<std::size_t>(starts - 1));
+      EXPECT_EQ(run.logs[r].other["resumed"].size(), 1u);
+    }
+    // Did the agents give the two ranks different restart counts ("pid PID COUNT" lines)? That
+    // is the case that broke when the ranks met under a name made of the count. It happens when
+    // the surviving worker is waiting in the store (a save) rather than in a gloo collective,
+    // which fails at once when its peer dies and has its own agent count a restart too.
+    std::set<std::string> counts;
+    for (int r = 0; r < 2; ++r) {
+      const std::string& last = run.logs[r].other["pid"].back();
+      counts.insert(last.substr(last.find(' ') + 1));
+    }
+    if (counts.size() == 2) ++counts_differed;
+  }
+  EXPECT_GE(counts_differed, 1) << "no case gave the ranks different restart counts";
+}
+
+// SIGSTOP of one rank at seeded random moments of a long run (in a step, inside the gradient
+// allreduce, between collectives, inside a save): every other rank fails within the group's
+// timeout plus a little, naming the stopped rank, and no committed checkpoint is torn.
+TEST(DistributedAccelerator, AStoppedRankIsNamedWhereverItStops) {
+  tt::TempDir dir;
+  std::mt19937 rng(20261205);
+  for (int i = 0; i < 10; ++i) {
+    const int stopped = static_cast<int>(rng() % 2), other = 1 - stopped;
+    const int delay_ms = static_cast<int>(rng() % 800);
+    SCOPED_TRACE(fmt::format("case {}: rank {} stopped {} ms after its first step", i, stopped,
+                             delay_ms));
+    std::string sub = dir.path() + "/" + std::to_string(i);
+    std::filesystem::create_directories(sub);
+    const std::string command = fmt::format(
+        "TORCHPOINT_PROCESS_TIMEOUT=3 TORCHPOINT_TEST_EPOCHS=400 exec {} -m torch.distributed.run "
+        "--standalone --nproc-per-node 2 --max-restarts 0 --monitor-interval 0.1 --no-python "
+        "{} {}/project {}/log none 16 > {}/log.out 2>&1",
+        tt::python(), DIST_CHILD, sub, sub, sub);
+    pid_t agent = ::fork();
+    if (agent == 0) {
+      ::execl("/bin/sh", "sh", "-c", command.c_str(), static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    ASSERT_GT(agent, 0);
+    // Until the rank to stop has logged its first step.
+    pid_t target = 0;
+    for (int wait = 0; wait < 600 && target == 0; ++wait) {
+      RankLog log = read_log(fmt::format("{}/log.{}", sub, stopped));
+      if (!log.steps.empty() && !log.other["pid"].empty()) target = std::stoi(log.other["pid"][0]);
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    ASSERT_NE(target, 0) << tt::read_bytes(sub + "/log.out");
+    std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+    ASSERT_EQ(::kill(target, SIGSTOP), 0);
+    const auto stopped_at = std::chrono::steady_clock::now();
+    // The other rank gives up and logs why; then the stopped one is killed, as an operator would
+    // (torchrun's SIGTERM does not reach a stopped process), and the agent ends.
+    std::string error;
+    double seconds = 0;
+    while (error.empty() && seconds < 60) {
+      RankLog log = read_log(fmt::format("{}/log.{}", sub, other));
+      if (!log.other["error"].empty()) error = log.other["error"][0];
+      seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - stopped_at).count();
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    ::kill(target, SIGKILL);
+    int status = 0;
+    ::waitpid(agent, &status, 0);
+    EXPECT_FALSE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    ASSERT_FALSE(error.empty()) << "rank " << other << " never failed\n"
+                                << tt::read_bytes(sub + "/log.out");
+    // Named after the reporting rank's own "rank N:" prefix.
+    EXPECT_NE(error.find(fmt::format("rank {}", stopped), error.find(": ")), std::string::npos)
+        << error;
+    EXPECT_LE(seconds, 3 + 30) << error;
+    std::printf("case %d: rank %d stopped; rank %d failed %.1f s later: %s\n", i, stopped, other,
+                seconds, error.c_str());
+    EXPECT_EQ(error.find("frame #"), std::string::npos) << error;
+    for (const std::string& name : committed(sub)) {
+      std::string path = sub + "/project/checkpoints/" + name;
+      std::string out = sub + "/verify.out";
+      int verified =
+          std::system(fmt::format("{} verify {} > {} 2>&1", TORCHPOINT_CLI, path, out).c_str());
+      EXPECT_EQ(verified, 0) << tt::read_bytes(out);
+    }
   }
 }
 

@@ -37,8 +37,10 @@ struct ProcessGroupOptions {
   // TORCHELASTIC_RESTART_COUNT: how many times torchrun restarted the group before this run.
   TORCH_ARG(int, restart_count) = 0;
   // torchrun's agent already serves the store at master_addr:master_port
-  // (TORCHELASTIC_USE_AGENT_STORE=True): every rank connects to it as a client, under a prefix of
-  // its restart, so the keys of an earlier attempt are never seen. Otherwise rank 0 serves it.
+  // (TORCHELASTIC_USE_AGENT_STORE=True): every rank connects to it as a client. Otherwise rank 0
+  // serves it. Either way the ranks of each start agree on a name of their own for their keys
+  // (not the restart count, which is each agent's own), so the keys of an earlier start are
+  // never seen.
   TORCH_ARG(bool, use_agent_store) = false;
   // The longest any collective or exchange waits for the other processes. A rank slower than this
   // (a long evaluation on the main process between two collectives) must raise it.

@@ -4,9 +4,14 @@
 #include <ATen/ops/cat.h>
 #include <fmt/format.h>
 
+#include <unistd.h>
+#include <xxhash.h>
+
 #include <cstdlib>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <random>
+#include <thread>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -72,6 +77,78 @@ std::string rank_list(const std::vector<int>& ranks) {
   return out;
 }
 
+// The name every rank of this start of the group agrees on, for its keys in the store.
+//
+// torchrun's agent store outlives the workers: after a restart it still holds the keys of every
+// earlier start, and nothing in the workers' environment numbers the rendezvous round the agents
+// agreed on (TORCHELASTIC_RESTART_COUNT is per agent: an agent whose workers were restarted for a
+// membership change, not a failure, keeps its count, so two agents' workers would meet under
+// different names and wait forever). So the ranks meet by themselves: each announces a random
+// nonce under its rank, and the name is a hash of the W nonces it reads. A rank may read an
+// earlier start's nonce of a rank that has not announced yet; so each rank publishes the name it
+// computed and reads again until every rank published the same name. Every such name holds every
+// rank's own fresh nonce (a rank hashes the nonce it just wrote), so no name of an earlier start
+// can match it, and once all agree nothing changes any more. Cost: about 2W store reads per rank,
+// more when the ranks start far apart.
+std::string meet(c10d::Store& store, const ProcessGroupOptions& options) {
+  const int world = options.world_size(), rank = options.rank();
+  std::random_device device;
+  std::mt19937_64 rng((static_cast<std::uint64_t>(device()) << 32) ^ device() ^
+                      static_cast<std::uint64_t>(::getpid()) ^
+                      static_cast<std::uint64_t>(
+                          std::chrono::steady_clock::now().time_since_epoch().count()));
+  const std::string nonce = fmt::format("{:016x}{:016x}", rng(), rng());
+  std::vector<std::string> nonce_keys, name_keys;
+  for (int r = 0; r < world; ++r) {
+    nonce_keys.push_back(fmt::format("torchpoint/meet/nonce/{}", r));
+    name_keys.push_back(fmt::format("torchpoint/meet/name/{}", r));
+  }
+  store.set(nonce_keys[rank], bytes_of(nonce));
+  const auto deadline = std::chrono::steady_clock::now() + options.timeout();
+  auto pause = std::chrono::milliseconds(5);
+  std::string published;
+  for (;;) {
+    std::vector<int> silent;  // ranks that never announced themselves, in any start
+    for (int r = 0; r < world; ++r) {
+      if (!store.check({nonce_keys[r]})) silent.push_back(r);
+    }
+    std::vector<int> elsewhere;  // ranks whose published name is not this one's
+    if (silent.empty()) {
+      std::string all;
+      for (const std::string& key : nonce_keys) all += string_of(store.get(key)) + "/";
+      const XXH128_hash_t h = XXH3_128bits(all.data(), all.size());
+      const std::string name = fmt::format("{:016x}{:016x}", h.high64, h.low64);
+      if (name != published) {
+        store.set(name_keys[rank], bytes_of(name));
+        published = name;
+      }
+      for (int r = 0; r < world; ++r) {
+        if (r == rank) continue;
+        if (!store.check({name_keys[r]}) || string_of(store.get(name_keys[r])) != name) {
+          elsewhere.push_back(r);
+        }
+      }
+      if (elsewhere.empty()) return name;
+    }
+    if (std::chrono::steady_clock::now() >= deadline) {
+      throw Error(ErrorCode::IOError,
+                  fmt::format("rank {} of {}: the processes did not all start within {} ms of "
+                              "one another: {}; a process that failed to start, or a torchrun "
+                              "agent that did not restart its workers, is the usual cause",
+                              rank, world, options.timeout().count(),
+                              silent.empty()
+                                  ? fmt::format("rank{} {} did not join this start of the group",
+                                                elsewhere.size() > 1 ? "s" : "",
+                                                rank_list(elsewhere))
+                                  : fmt::format("rank{} {} never announced itself",
+                                                silent.size() > 1 ? "s" : "",
+                                                rank_list(silent))));
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(200));
+  }
+}
+
 }  // namespace
 
 std::optional<ProcessGroupOptions> ProcessGroupOptions::from_environment() {
@@ -119,12 +196,21 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const ProcessGroupOptions& op
                     "program with torchrun, or check MASTER_ADDR and MASTER_PORT",
                     options.rank(), options.master_addr(), options.master_port(), cause_of(e)));
   }
-  if (options.use_agent_store()) {
-    // torchrun's convention: each restart of the group meets under a prefix of its own.
-    store = c10::make_intrusive<c10d::PrefixStore>(
-        fmt::format("/worker/attempt_{}", options.restart_count()), store);
+  // Each start of the group under a name of its own, so that no key of an earlier start (in
+  // torchrun's agent store, which outlives the workers) is ever read.
+  std::string name;
+  try {
+    name = meet(*store, options);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw Error(ErrorCode::IOError,
+                fmt::format("rank {}: lost the rendezvous store at {}:{} while the processes "
+                            "met ({})",
+                            options.rank(), options.master_addr(), options.master_port(),
+                            cause_of(e)));
   }
-  impl->store = c10::make_intrusive<c10d::PrefixStore>("torchpoint", store);
+  impl->store = c10::make_intrusive<c10d::PrefixStore>(fmt::format("torchpoint/{}", name), store);
 
   auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout());
   std::optional<std::string> interface = variable("GLOO_SOCKET_IFNAME");
@@ -167,18 +253,36 @@ std::uint64_t ProcessGroup::enter_collective() {
 
 void ProcessGroup::collective_failed(std::uint64_t n, const std::string& what,
                                      const std::exception& cause) {
+  // Who is to blame: a rank still before collective #n never reached it; a rank that entered it
+  // and neither left it (its count moved on) nor failed in it too (as this one did) stopped
+  // answering inside it. The ranks that fail for the same reason fail at about the same time (the
+  // same timeout); they get a few seconds to say so before being blamed.
   std::vector<std::string> behind;
   try {
-    for (int r = 0; r < size(); ++r) {
-      if (r == rank()) continue;
-      std::string key = fmt::format("progress/{}", r);
-      std::uint64_t reached = 0;
-      if (impl_->store->check({key})) reached = std::stoull(string_of(impl_->store->get(key)));
-      if (reached < n) {
-        behind.push_back(reached == 0
-                             ? fmt::format("rank {} (it never reached one)", r)
-                             : fmt::format("rank {} (still at collective #{})", r, reached));
+    impl_->store->set(fmt::format("failed/{}", rank()), bytes_of(std::to_string(n)));
+    auto count_of = [&](const std::string& key) -> std::uint64_t {
+      return impl_->store->check({key}) ? std::stoull(string_of(impl_->store->get(key))) : 0;
+    };
+    const auto grace = std::min<std::chrono::milliseconds>(timeout() / 2, std::chrono::seconds(5));
+    const auto until = std::chrono::steady_clock::now() + grace;
+    for (;;) {
+      behind.clear();
+      bool undecided = false;
+      for (int r = 0; r < size(); ++r) {
+        if (r == rank()) continue;
+        const std::uint64_t reached = count_of(fmt::format("progress/{}", r));
+        if (reached < n) {
+          behind.push_back(reached == 0
+                               ? fmt::format("rank {} never reached any collective", r)
+                               : fmt::format("rank {} stopped before it (at collective #{})", r,
+                                             reached));
+        } else if (reached == n && count_of(fmt::format("failed/{}", r)) != n) {
+          behind.push_back(fmt::format("rank {} entered it and stopped answering", r));
+          undecided = true;
+        }
       }
+      if (!undecided || std::chrono::steady_clock::now() >= until) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
   } catch (const std::exception&) {
     // The store itself is gone (its server, rank 0 or torchrun, died): the cause says enough.
@@ -190,8 +294,8 @@ void ProcessGroup::collective_failed(std::uint64_t n, const std::string& what,
       ErrorCode::IOError,
       behind.empty()
           ? fmt::format("rank {}: {} (collective #{}) failed: {}", rank(), what, n, cause_of(cause))
-          : fmt::format("rank {}: {} (collective #{}) failed: {} did not take part; it "
-                        "died or stopped answering (the group waits at most {} ms): {}",
+          : fmt::format("rank {}: {} (collective #{}) failed: {}; a process that died or "
+                        "stopped answering (the group waits at most {} ms): {}",
                         rank(), what, n, who, timeout().count(), cause_of(cause)));
 }
 

@@ -440,6 +440,12 @@ DirectorySave::~DirectorySave() = default;
 
 const std::string& DirectorySave::temp_path() const { return pending_->temp_path(); }
 
+void DirectorySave::collect_hook_files() {
+  std::vector<Component> reserved;
+  for (const std::string& name : component_names_) reserved.push_back({name, {}});
+  extra_files_ = collect_extra_files(env_, pending_->temp_path(), reserved);
+}
+
 void DirectorySave::set_component_names(const std::vector<std::string>& component_names) {
   std::unordered_set<std::string> announced(component_names_.begin(), component_names_.end());
   std::unordered_set<std::string> seen;

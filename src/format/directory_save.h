@@ -67,6 +67,10 @@ class DirectorySave {
   // at construction (a hook saved some itself). Throws InvalidArgument for a name not given
   // then, or given twice.
   void set_component_names(const std::vector<std::string>& component_names);
+  // Lists again what save hooks wrote in temp_path(), for hooks that ran after the constructor
+  // (those of the other processes, in the same directory). Call it before any component is
+  // written there; throws as the constructor does for a file a hook may not write.
+  void collect_hook_files();
   // Every writer has written its files (`files`, in the order the manifest lists them): writes
   // the manifest last and commits. Throws InvalidArgument when `files` differs from the component
   // names given at construction. On failure nothing is committed and the destructor removes the

@@ -281,8 +281,12 @@ std::string Accelerator::save_state_distributed(const std::string& output_dir, b
   const int rank = group_->rank(), world = group_->size();
   std::vector<std::string> names = component_names();
   SaveDirectoryOptions options = directory_options(overwrite);
-  // The main process runs the save hooks, in the temporary directory, with the models and their
-  // states; it writes the components they left.
+  // Every process runs the save hooks, as Accelerate does, in the one temporary directory, with
+  // its models and their states: the main process while it opens the checkpoint, the others once
+  // it is open and before anything is written. The main process writes the components its hooks
+  // left (the others' changes to their weights are theirs to look at); the files any process's
+  // hooks wrote are committed with the checkpoint (a hook that writes one name on every process
+  // should write it on the main process only).
   SavedModels saved;
   if (rank == 0 && !save_hooks_->hooks.empty()) {
     options.before_components = [&, hooks = save_hooks_->snapshot()](const std::string& dir) {
@@ -318,6 +322,30 @@ std::string Accelerator::save_state_distributed(const std::string& output_dir, b
       "save_state(): opening the checkpoint directory"));
   // From here a number is used up, as by an asynchronous save: one that fails leaves it unused.
   if (automatic) config_.iteration(config_.iteration() + 1);
+  if (!save_hooks_->hooks.empty()) {
+    std::exception_ptr hook_failure;
+    try {
+      if (rank != 0) {
+        SavedModels theirs;
+        run_save_hooks(save_hooks_->snapshot(), opened.at("dir").get<std::string>(), theirs);
+      }
+    } catch (const std::exception&) {
+      hook_failure = std::current_exception();
+    }
+    group_->agree(hook_failure,
+                  fmt::format("save_state() of {}: the save hooks (nothing was committed)", path));
+    // Then the main process lists what every process's hooks wrote.
+    std::exception_ptr listing_failure;
+    try {
+      if (rank == 0) save->collect_hook_files();
+    } catch (const std::exception&) {
+      listing_failure = std::current_exception();
+    }
+    group_->agree(listing_failure,
+                  fmt::format("save_state() of {}: the files of the save hooks (nothing was "
+                              "committed)",
+                              path));
+  }
 
   // 2. Every process writes and fsyncs its own files there: the main process the components,
   // each process its RNG states. All succeed, or every process throws (and the main process's
