@@ -118,7 +118,13 @@ int main(int argc, char** argv) {
   tp::testing::FaultEnv env;
   long saves = 0, ops_in_save = 0, ops_in_load = 0;
   bool in_save = false, in_load = false;
-  env.set_before_op([&](tp::testing::Op, const std::string&) {
+  const bool each_node = env_int("TORCHPOINT_TEST_EACH_NODE", 0) == 1;
+  env.set_before_op([&](tp::testing::Op, const std::string& path) {
+    // Every file the Accelerator touches is this process's project's (with save_on_each_node,
+    // its own node's disk), or one of the folders above it (made and synced on the way).
+    if (path.rfind(project, 0) != 0 && project.rfind(path, 0) != 0) {
+      tp::testing::append_line(log, "foreign " + path);
+    }
     if (in_load && ++ops_in_load == kill_load_op) kill_self();
     if (!in_save) return;
     ++ops_in_save;
@@ -129,7 +135,8 @@ int main(int argc, char** argv) {
     tp::Accelerator acc(tp::ProjectConfiguration()
                             .project_dir(project)
                             .automatic_checkpoint_naming(true)
-                            .total_limit(3),
+                            .total_limit(3)
+                            .save_on_each_node(each_node),
                         env);
     if (acc.is_main_process()) {
       // What the kill of the previous attempt left: every committed checkpoint complete.
@@ -167,11 +174,12 @@ int main(int argc, char** argv) {
       tp::testing::append_line(log, fmt::format("load_hook {}", models.size()));
     });
 
-    if (!acc.list_checkpoints().empty()) {
-      in_load = true;
-      tp::LoadStateReport r = acc.load_state();
-      in_load = false;
-      tp::testing::append_line(log, fmt::format("resumed {} {}", r.path, r.saved_world_size));
+    in_load = true;
+    std::optional<tp::LoadStateReport> r = acc.try_load_state();
+    in_load = false;
+    if (r) {
+      tp::testing::append_line(log, fmt::format("resumed {} {}", r->path, r->saved_world_size));
+      for (const std::string& s : r->skipped) tp::testing::append_line(log, "skipped " + s);
     }
     auto params_digest = [&] {
       tp::Xxh3Stream h;

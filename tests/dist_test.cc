@@ -164,8 +164,11 @@ int free_port(const std::string& address) {
 // rendezvous, c10d's, on the first), `per_node` processes each, each agent allowed
 // `max_restarts` restarts. Both agents' output goes to LOG.agent0.out and LOG.agent1.out; the
 // status is the first non-zero one of the two.
+// With `own_disks`, each node's project is a directory of its own, DIR/node<N>/project (no
+// process is given the other node's).
 ChildRun run_two_nodes(const std::string& dir, const std::string& log, const std::string& plan,
-                       int per_node = 1, int max_restarts = 3, const std::string& extra_env = "") {
+                       int per_node = 1, int max_restarts = 3, const std::string& extra_env = "",
+                       bool own_disks = false) {
   const int port = free_port("127.0.0.2");
   std::string script;
   for (int node = 0; node < 2; ++node) {
@@ -176,7 +179,8 @@ ChildRun run_two_nodes(const std::string& dir, const std::string& log, const std
         "is_host={} --local-addr {} --max-restarts {} --monitor-interval 0.1 --no-python {} "
         "{}/project {}/{} {} 16 > {}/{}.agent{}.out 2>&1; echo $? > {}/{}.agent{}.rc ) & ",
         extra_env, tt::python(), per_node, port, port, node == 0 ? "true" : "false", address,
-        max_restarts, DIST_CHILD, dir, dir, log, plan, dir, log, node, dir, log, node);
+        max_restarts, DIST_CHILD, own_disks ? fmt::format("{}/node{}", dir, node) : dir, dir,
+        log, plan, dir, log, node, dir, log, node);
   }
   script += "wait";
   ChildRun run;
@@ -501,6 +505,180 @@ TEST(DistributedAccelerator, TwoAgentsMeetAgainWhicheverWorkerDies) {
     if (counts.size() == 2) ++counts_differed;
   }
   EXPECT_GE(counts_differed, 1) << "no case gave the ranks different restart counts";
+}
+
+// Accelerate's save_on_each_node, for nodes that do not share a disk: two nodes, each given a
+// project directory of its own. Each node's copy of every checkpoint is complete for that node
+// (model, optimizer, ... and its processes' RNG states) and verifies; no process touches the
+// other node's directory; a rank killed inside a save resumes bit-identically from its node's
+// copy. Then a node's newest copy damaged: both nodes fall back together to the newest
+// checkpoint both hold valid, and the run still ends like the uninterrupted one.
+TEST(DistributedAccelerator, SaveOnEachNodeKeepsEveryNodeOnItsOwnDisk) {
+  tt::TempDir dir;
+  ChildRun reference = run_child(dir.path(), "reference", 2, "none");
+  ASSERT_EQ(reference.status, 0) << reference.output;
+  const std::map<long, std::string> steps = last_digest_by_step(reference.logs[0]);
+  const std::string each_node = "TORCHPOINT_TEST_EACH_NODE=1";
+  auto expect_like_reference = [&](const ChildRun& run) {
+    for (int r = 0; r < 2; ++r) {
+      for (const auto& [step, digest] : run.logs[r].steps) {
+        EXPECT_EQ(digest, steps.at(step)) << "rank " << r << " step " << step;
+      }
+      EXPECT_EQ(run.logs[r].other["final"], reference.logs[r].other["final"]) << "rank " << r;
+      EXPECT_TRUE(run.logs[r].other["foreign"].empty())
+          << "rank " << r << " touched " << run.logs[r].other["foreign"][0];
+    }
+  };
+
+  const std::string sub = dir.path() + "/killed";
+  ChildRun run = run_two_nodes(sub, "log", "kill:1:save:2:op:3", 1, 3, each_node, true);
+  ASSERT_EQ(run.status, 0) << run.output;
+  expect_like_reference(run);
+  EXPECT_EQ(run.logs[0].other["resumed"].size(), 1u);
+  EXPECT_EQ(run.logs[1].other["resumed"].size(), 1u);
+  std::vector<std::string> names = committed(sub + "/node0");
+  EXPECT_EQ(names, committed(sub + "/node1"));
+  ASSERT_EQ(names.size(), 3u);  // total_limit 3, applied on each node
+  for (const std::string& name : names) {
+    std::set<std::string> rng_files;
+    for (int node = 0; node < 2; ++node) {
+      const std::string path = fmt::format("{}/node{}/project/checkpoints/{}", sub, node, name);
+      const std::string out = sub + "/verify.out";
+      EXPECT_EQ(std::system(fmt::format("{} verify {} > {} 2>&1", TORCHPOINT_CLI, path, out).c_str()),
+                0)
+          << tt::read_bytes(out);
+      EXPECT_TRUE(std::filesystem::exists(path + "/model.safetensors")) << path;
+      EXPECT_TRUE(std::filesystem::exists(path + "/optimizer.safetensors")) << path;
+      int here = 0;
+      for (int r = 0; r < 2; ++r) {
+        if (std::filesystem::exists(fmt::format("{}/random_states_{}.safetensors", path, r))) {
+          rng_files.insert(std::to_string(r));
+          ++here;
+        }
+      }
+      EXPECT_EQ(here, 1) << path << ": one process per node, its RNG states only";
+    }
+    EXPECT_EQ(rng_files, (std::set<std::string>{"0", "1"})) << name;
+  }
+
+  // Node 1's newest copy damaged (one byte of its model): both fall back to the one before.
+  const std::string fallback = dir.path() + "/fallback";
+  ChildRun first = run_two_nodes(fallback, "first", "stop:step:12", 1, 0, each_node, true);
+  ASSERT_EQ(first.status, 0) << first.output;
+  ASSERT_EQ(committed(fallback + "/node1"),
+            (std::vector<std::string>{"checkpoint_0", "checkpoint_1", "checkpoint_2"}));
+  {
+    const std::string model = fallback + "/node1/project/checkpoints/checkpoint_2/model.safetensors";
+    std::fstream f(model, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(-1, std::ios::end);
+    const char c = static_cast<char>(f.get() ^ 0x5a);
+    f.seekp(-1, std::ios::end);
+    f.put(c);
+  }
+  ChildRun second = run_two_nodes(fallback, "second", "none", 1, 0, each_node, true);
+  ASSERT_EQ(second.status, 0) << second.output;
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(second.logs[r].other["resumed"].size(), 1u) << second.output;
+    EXPECT_NE(second.logs[r].other["resumed"][0].find("checkpoint_1 "), std::string::npos)
+        << second.logs[r].other["resumed"][0];
+    ASSERT_EQ(second.logs[r].other["skipped"].size(), 1u);
+    EXPECT_NE(second.logs[r].other["skipped"][0].find("node 1"), std::string::npos)
+        << second.logs[r].other["skipped"][0];
+    EXPECT_EQ(second.logs[r].steps.front().first, 9) << "rank " << r;  // after checkpoint_1
+  }
+  expect_like_reference(second);
+}
+
+// The processes `pid` started (its children), from /proc.
+std::vector<pid_t> children_of(pid_t pid) {
+  std::vector<pid_t> out;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = entry.path().filename();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream stat(entry.path() / "stat");
+    std::string line;
+    if (!std::getline(stat, line)) continue;
+    // "pid (comm) state ppid ...": comm may hold spaces, so read after the last ')'.
+    std::istringstream rest(line.substr(line.rfind(')') + 1));
+    std::string state;
+    pid_t parent = 0;
+    rest >> state >> parent;
+    if (parent == pid) out.push_back(static_cast<pid_t>(std::stol(name)));
+  }
+  return out;
+}
+
+// Two nodes of two processes each (4 ranks), and node 1 killed whole once the run has committed
+// two checkpoints: its torchrun agent and its workers, with SIGKILL, as a machine that loses
+// power. Then node 1 is started again, as an operator (or a cluster manager) would: node 0's
+// agent restarts its workers, the two agents meet in a new round, and the run ends bit-identical
+// to the uninterrupted 4-process run.
+TEST(DistributedAccelerator, AWholeNodeKilledAndStartedAgainEndsLikeTheUninterruptedRun) {
+  tt::TempDir dir;
+  ChildRun reference = run_child(dir.path(), "reference", 4, "none", 16, 0,
+                                 "TORCHPOINT_TEST_EPOCHS=40");
+  ASSERT_EQ(reference.status, 0) << reference.output;
+  const std::map<long, std::string> steps = last_digest_by_step(reference.logs[0]);
+  const std::string sub = dir.path() + "/nodes";
+  std::filesystem::create_directories(sub);
+  const int port = free_port("127.0.0.2");
+  auto agent_command = [&](int node, int start) {
+    return fmt::format(
+        "GLOO_SOCKET_IFNAME=lo TORCHPOINT_TEST_EPOCHS=40 exec {} -m torch.distributed.run "
+        "--nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.2:{} "
+        "--rdzv-id tp{} --rdzv-conf is_host={} --local-addr 127.0.0.{} --max-restarts 3 "
+        "--monitor-interval 0.1 --no-python {} {}/project {}/log none 16 > {}/node{}.{}.out 2>&1",
+        tt::python(), port, port, node == 0 ? "true" : "false", node + 2, DIST_CHILD, sub, sub, sub,
+        node, start);
+  };
+  auto start_agent = [&](int node, int start) {
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      const std::string command = agent_command(node, start);
+      ::execl("/bin/sh", "sh", "-c", command.c_str(), static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    return pid;
+  };
+  pid_t node0 = start_agent(0, 0), node1 = start_agent(1, 0);
+  ASSERT_GT(node0, 0);
+  ASSERT_GT(node1, 0);
+  // Until two checkpoints are committed.
+  for (int wait = 0; wait < 1200 && committed(sub).size() < 2; ++wait) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_GE(committed(sub).size(), 2u) << tt::read_bytes(sub + "/node0.0.out");
+  // The whole node at once: the agent stopped first so that it restarts nothing, its workers
+  // (each in a session of its own) and then the agent killed.
+  ASSERT_EQ(::kill(node1, SIGSTOP), 0);
+  std::vector<pid_t> workers = children_of(node1);
+  EXPECT_EQ(workers.size(), 2u);
+  for (pid_t w : workers) ::kill(w, SIGKILL);
+  ::kill(node1, SIGKILL);
+  int status = 0;
+  ::waitpid(node1, &status, 0);
+  node1 = start_agent(1, 1);
+  int status0 = 0, status1 = 0;
+  ::waitpid(node0, &status0, 0);
+  ::waitpid(node1, &status1, 0);
+  const std::string output = tt::read_bytes(sub + "/node0.0.out") +
+                             tt::read_bytes(sub + "/node1.0.out") +
+                             tt::read_bytes(sub + "/node1.1.out");
+  ASSERT_TRUE(WIFEXITED(status0) && WEXITSTATUS(status0) == 0) << output;
+  ASSERT_TRUE(WIFEXITED(status1) && WEXITSTATUS(status1) == 0) << output;
+  for (int r = 0; r < 4; ++r) {
+    RankLog log = read_log(fmt::format("{}/log.{}", sub, r));
+    EXPECT_EQ(log.other["pid"].size(), 2u) << "rank " << r;  // every rank started twice
+    EXPECT_EQ(log.other["resumed"].size(), 1u) << "rank " << r;
+    for (const auto& [step, digest] : log.steps) {
+      EXPECT_EQ(digest, steps.at(step)) << "rank " << r << " step " << step;
+    }
+    EXPECT_EQ(last_digest_by_step(log), last_digest_by_step(reference.logs[r]));
+    EXPECT_EQ(log.other["final"], reference.logs[r].other["final"]) << "rank " << r;
+  }
+  for (const std::string& name : committed(sub)) {
+    EXPECT_TRUE(tp::verify(sub + "/project/checkpoints/" + name).ok()) << name;
+  }
 }
 
 // SIGSTOP of one rank at seeded random moments of a long run (in a step, inside the gradient

@@ -116,6 +116,18 @@ int run_show(const ShowOptions& options, std::ostream& out) {
                                          : fmt::format("{} (random_states_0 .. {} are each "
                                                        "one process's RNG states)",
                                                        world, world - 1)});
+    const Json* node = nullptr;
+    if (view.metadata.is_object() && view.metadata.contains("accelerator") &&
+        view.metadata["accelerator"].is_object() &&
+        view.metadata["accelerator"].contains("node")) {
+      node = &view.metadata["accelerator"]["node"];
+    }
+    if (node != nullptr && node->is_object()) {
+      summary.add({"node", fmt::format("{} of {}: this node's copy (save_on_each_node), with the "
+                                       "RNG states of ranks {} only",
+                                       node->value("index", -1), node->value("count", -1),
+                                       node->contains("ranks") ? (*node)["ranks"].dump() : "?")});
+    }
     summary.add({"metadata", view.metadata.dump()});
   }
   summary.print(out, "  ");

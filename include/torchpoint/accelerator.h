@@ -124,6 +124,14 @@ struct ProjectConfiguration {
   // or loaded is hard-linked from it instead of written again (compared by checksums of the
   // bytes in memory at every save). Each checkpoint stays complete on its own.
   TORCH_ARG(bool, incremental) = true;
+  // Accelerate's save_on_each_node, for nodes that do not share a disk: with several nodes
+  // (torchrun agents; WORLD_SIZE > LOCAL_WORLD_SIZE), the local main process of every node writes
+  // a complete checkpoint to project_dir on its own node (the model and other replicated state
+  // once per node, the RNG states of that node's processes), all nodes committing or none. A
+  // load reads each node's own copy, of the newest checkpoint every node holds committed and
+  // valid: a node whose copy is missing or damaged makes every process fall back together.
+  // With one node (or one process) it changes nothing.
+  TORCH_ARG(bool, save_on_each_node) = false;
 };
 
 // What load_state() restored.
@@ -715,6 +723,9 @@ class Accelerator {
   // The sampler of a prepared loader: sharded over the processes.
   void add_sampler(AnyStateful sampler, ResumableSampler& shardable);
   std::string save_state_distributed(const std::string& output_dir, bool overwrite);
+  // save_on_each_node with several nodes: every node's local main process writes its own copy.
+  bool saves_per_node() const;
+  std::string save_state_per_node(const std::string& output_dir, bool overwrite);
   // load_state() of a torchpoint checkpoint, step by step (accelerator_checkpoint.cc).
   struct Loading;
   // load_state() of a directory written by Python Accelerate's save_state.

@@ -203,10 +203,21 @@ std::vector<std::string> missing_rank_files(const std::string& path) {
     return {};
   }
   const int world = world_size_of(meta);
+  // A node's copy of save_on_each_node holds the RNG states of that node's processes only.
+  std::vector<int> ranks;
+  const Json& acc = meta["accelerator"];
+  if (acc.contains("node") && acc["node"].is_object() && acc["node"].contains("ranks") &&
+      acc["node"]["ranks"].is_array()) {
+    for (const Json& r : acc["node"]["ranks"]) {
+      if (r.is_number_integer()) ranks.push_back(r.get<int>());
+    }
+  } else {
+    for (int r = 0; r < world; ++r) ranks.push_back(r);
+  }
   std::set<std::string> listed;
   for (const ManifestFile& f : manifest.files) listed.insert(f.component);
   std::vector<std::string> problems;
-  for (int r = 0; r < world; ++r) {
+  for (int r : ranks) {
     std::string name = fmt::format("random_states_{}", r);
     if (!listed.count(name)) {
       problems.push_back(

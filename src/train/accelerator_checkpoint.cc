@@ -9,6 +9,7 @@
 #include <exception>
 #include <map>
 #include <optional>
+#include <set>
 
 #include "checkpoint/committed.h"
 #include "compat/torch_compat.h"
@@ -119,6 +120,7 @@ std::vector<std::pair<std::int64_t, std::string>> Accelerator::list_checkpoints(
 
 std::string Accelerator::save_state(const std::string& output_dir, bool overwrite) {
   wait_for_checkpoint();
+  if (group_ && saves_per_node()) return save_state_per_node(output_dir, overwrite);
   if (group_) return save_state_distributed(output_dir, overwrite);
   return save_state_with(output_dir, overwrite, nullptr, nullptr);
 }
@@ -400,6 +402,161 @@ std::string Accelerator::save_state_distributed(const std::string& output_dir, b
   return last_checkpoint_;
 }
 
+// save_on_each_node on several nodes: save_state_distributed() with the local main process of
+// every node in the main process's place, each writing a complete checkpoint on its own node's
+// disk (the components once per node; the RNG states of that node's processes). Every writer
+// announces its temporary directory to every process, which costs one message per node and rank;
+// the commit is agreed: every node commits, or the nodes that did take their copy back, and a
+// load takes only a checkpoint every node holds (load_state() chooses the newest such one).
+std::string Accelerator::save_state_per_node(const std::string& output_dir, bool overwrite) {
+  const bool automatic = output_dir.empty();
+  const std::string path = begin_save(output_dir);
+  const int rank = group_->rank(), world = group_->size(), local = group_->local_size();
+  const int node = rank / local, nodes = world / local, first = node * local;
+  const bool writer = group_->local_rank() == 0;
+  std::vector<std::string> names = component_names();
+  auto file_names = [&] {
+    std::vector<std::string> all = names;
+    for (int r = first; r < first + local; ++r) all.push_back(random_states_name(r));
+    return all;
+  };
+  SaveDirectoryOptions options = directory_options(overwrite);
+  SavedModels saved;
+  if (writer && !save_hooks_->hooks.empty()) {
+    options.before_components = [&, hooks = save_hooks_->snapshot()](const std::string& dir) {
+      run_save_hooks(hooks, dir, saved);
+    };
+  }
+  std::optional<HookedComponents> hooked;
+  const std::string about = fmt::format("save_state() of {} on every node", path);
+
+  // 1. Each node's local main process opens its checkpoint: lock, temporary directory, hooks.
+  std::unique_ptr<DirectorySave> save;
+  std::exception_ptr failure;
+  try {
+    if (writer) {
+      save = std::make_unique<DirectorySave>(env_, path, file_names(), options);
+      if (!save_hooks_->hooks.empty()) {
+        hooked.emplace(*this,
+                       components_with_models(saved.weights.size(),
+                                              [&](std::size_t j) {
+                                                return AnyStateful::value(
+                                                    HookedModelState{saved.weights[j]});
+                                              }),
+                       ModelList(models_.begin(),
+                                 models_.begin() +
+                                     static_cast<std::ptrdiff_t>(saved.weights.size())));
+        names = component_names();
+        save->set_component_names(file_names());
+      }
+    }
+  } catch (const std::exception&) {
+    failure = std::current_exception();
+  }
+  group_->agree(failure, about + ": opening the checkpoint directories (nothing was committed)");
+  std::string dir;
+  for (int n = 0; n < nodes; ++n) {
+    std::string d = group_->broadcast_string(save ? save->temp_path() : "", n * local,
+                                             "save_state(): the temporary directory of a node");
+    if (n == node) dir = d;
+  }
+  if (automatic) config_.iteration(config_.iteration() + 1);
+
+  // 2. The other processes' hooks, in their node's directory; then each writer lists the files.
+  if (!save_hooks_->hooks.empty()) {
+    failure = nullptr;
+    try {
+      if (!writer) {
+        SavedModels theirs;
+        run_save_hooks(save_hooks_->snapshot(), dir, theirs);
+      }
+    } catch (const std::exception&) {
+      failure = std::current_exception();
+    }
+    group_->agree(failure, about + ": the save hooks (nothing was committed)");
+    failure = nullptr;
+    try {
+      if (writer) save->collect_hook_files();
+    } catch (const std::exception&) {
+      failure = std::current_exception();
+    }
+    group_->agree(failure, about + ": the files of the save hooks (nothing was committed)");
+  }
+
+  // 3. Every process writes its files into its node's directory.
+  Json files = Json::array();
+  failure = nullptr;
+  try {
+    std::vector<torchpoint::Component> mine;
+    if (writer) {
+      for (std::size_t i = 0; i < components_.size(); ++i) {
+        mine.push_back({names[i], components_[i].object.state_dict().to_container()});
+      }
+    }
+    mine.push_back({random_states_name(rank), rng_.state_dict().to_container()});
+    LinkSource link_source(env_, writer ? options.link_from : std::string());
+    for (const WrittenComponent& f : write_components(env_, dir, mine, options, &link_source)) {
+      files.push_back(f.to_json());
+    }
+  } catch (const std::exception&) {
+    failure = std::current_exception();
+  }
+  group_->agree(failure, about + " (nothing was committed)");
+  std::vector<std::string> reports =
+      group_->allgather_strings(files.dump(), "save_state(): sending the files written");
+
+  // 4. Each writer commits its node's checkpoint; all agree, or the ones that committed take
+  // theirs back.
+  failure = nullptr;
+  bool committed = false;
+  try {
+    if (writer) {
+      std::vector<WrittenComponent> written;
+      for (int r = first; r < first + local; ++r) {
+        for (const Json& f : Json::parse(reports[static_cast<std::size_t>(r)])) {
+          written.push_back(WrittenComponent::from_json(f, fmt::format("rank {}", r)));
+        }
+      }
+      CheckpointInfo info;
+      info.step = step_;
+      info.iteration = config_.iteration() - (automatic ? 1 : 0);
+      Json ranks = Json::array();
+      for (int r = first; r < first + local; ++r) ranks.push_back(r);
+      info.metadata = {{"accelerator",
+                        {{"step", step_},
+                         {"components", names},
+                         {"world_size", world},
+                         {"node", {{"index", node}, {"count", nodes}, {"ranks", ranks}}}}}};
+      if (!logged_metrics_.empty()) info.metadata["metrics"] = logged_metrics_;
+      save->commit(written, info);
+      committed = true;
+      save.reset();
+    }
+  } catch (const std::exception&) {
+    failure = std::current_exception();
+  }
+  try {
+    group_->agree(failure, about + ": committing (no node keeps it)");
+  } catch (const std::exception&) {
+    if (committed) {
+      ListedCheckpoint mine;
+      mine.name = base_name(path);
+      mine.path = path;
+      mine.is_directory = true;
+      try {
+        remove_checkpoint(parent_path(path), mine, env_);
+      } catch (const std::exception&) {
+        // A load takes only a checkpoint every node holds: this copy is never chosen.
+      }
+    }
+    throw;
+  }
+  if (writer && automatic) apply_total_limit(path);
+  hooked.reset();
+  last_checkpoint_ = path;
+  return path;
+}
+
 void Accelerator::apply_total_limit(const std::string& just_written) {
   if (!config_.total_limit()) return;
   std::string dir = checkpoints_dir();
@@ -443,8 +600,34 @@ void Accelerator::apply_total_limit(const std::string& just_written) {
   }
 }
 
+bool Accelerator::saves_per_node() const {
+  if (!config_.save_on_each_node() || !group_ || group_->size() == group_->local_size()) {
+    return false;
+  }
+  if (group_->size() % group_->local_size() != 0) {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("save_on_each_node: {} processes in nodes of {}: every node must run "
+                            "the same number of processes (torchrun --nproc-per-node)",
+                            group_->size(), group_->local_size()));
+  }
+  return true;
+}
+
 std::optional<LoadStateReport> Accelerator::try_load_state() {
   wait_for_checkpoint();
+  if (saves_per_node()) {
+    // Each node looks at its own disk; all agree whether any holds a checkpoint.
+    const int local = group_->local_size();
+    bool any = false;
+    for (int n = 0; n < group_->size() / local; ++n) {
+      const std::string has = group_->broadcast_string(
+          group_->local_rank() == 0 && !list_checkpoints().empty() ? "1" : "0", n * local,
+          "try_load_state(): whether a node holds checkpoints");
+      any = any || has == "1";
+    }
+    if (!any) return std::nullopt;
+    return load_state();
+  }
   if (list_checkpoints().empty()) return std::nullopt;
   return load_state();
 }
@@ -463,11 +646,13 @@ struct Accelerator::Loading {
   DirectoryFill loaded;
   int saved_world = 1;
   bool own_rng = true;  // the checkpoint has an RNG file for this process's rank
+  int rng_source = 0;    // the rank whose RNG file this process restores
   std::string rng_file;
   std::vector<std::string> orphans;  // RNG files of ranks that no longer exist
   RestoreReport restored;
 
   void choose(const std::string& input_dir);
+  void choose_on_every_node();
   void read();
   void restore();
   LoadStateReport finish();
@@ -490,9 +675,86 @@ void Accelerator::Loading::choose(const std::string& input_dir) {
     }
     return found;
   };
+  if (input_dir.empty() && acc.saves_per_node()) {
+    choose_on_every_node();
+    return;
+  }
   // With several processes the main process chooses, so that all load the same one.
   path = acc.group_ ? acc.group_->decided_by_main(newest, "load_state(): choosing the checkpoint")
                     : newest();
+}
+
+// save_on_each_node: the newest checkpoint that every node holds committed and valid on its own
+// disk, each node's local main process judging its copy; every process then reads its node's.
+void Accelerator::Loading::choose_on_every_node() {
+  ProcessGroup& group = *acc.group_;
+  const int local = group.local_size(), nodes = group.size() / local;
+  const bool writer = group.local_rank() == 0;
+  const std::string dir = acc.checkpoints_dir();
+  // Each node's committed checkpoints, by name.
+  std::vector<std::set<std::string>> held(static_cast<std::size_t>(nodes));
+  std::vector<std::pair<std::uint64_t, std::string>> candidates;  // node 0's, oldest first
+  for (int n = 0; n < nodes; ++n) {
+    Json names = Json::array();
+    if (writer) {
+      for (const auto& [number, p] : detail::committed_checkpoints(dir, acc.env_)) {
+        names.push_back(base_name(p));
+      }
+    }
+    Json theirs = Json::parse(group.broadcast_string(
+        names.dump(), n * local, "load_state(): the checkpoints each node holds"));
+    for (const Json& name : theirs) {
+      held[static_cast<std::size_t>(n)].insert(name.get<std::string>());
+      if (n == 0) {
+        candidates.emplace_back(checkpoint_number(name.get<std::string>()).value_or(0),
+                                name.get<std::string>());
+      }
+    }
+  }
+  std::sort(candidates.begin(), candidates.end());
+  for (auto it = candidates.rbegin(); it != candidates.rend(); ++it) {
+    const std::string& name = it->second;
+    std::vector<int> missing;
+    for (int n = 0; n < nodes; ++n) {
+      if (!held[static_cast<std::size_t>(n)].count(name)) missing.push_back(n);
+    }
+    if (!missing.empty()) {
+      std::string which;
+      for (int n : missing) which += fmt::format("{}{}", which.empty() ? "" : ", ", n);
+      report.skipped.push_back(
+          fmt::format("{}: not committed on node{} {}", join_path(dir, name),
+                      missing.size() > 1 ? "s" : "", which));
+      continue;
+    }
+    // Every node judges its copy; the verdicts go to every process.
+    std::string problems;
+    for (int n = 0; n < nodes; ++n) {
+      std::string verdict;
+      if (writer && n == group.rank() / local) {
+        VerifyReport checked = verify(join_path(dir, name), acc.env_);
+        if (!checked.ok()) verdict = checked.problems.empty() ? "invalid" : checked.problems[0];
+      }
+      verdict = group.broadcast_string(verdict, n * local,
+                                       "load_state(): each node's verdict on its copy");
+      if (!verdict.empty()) problems += fmt::format("; node {}: {}", n, verdict);
+    }
+    if (problems.empty()) {
+      path = join_path(dir, name);
+      return;
+    }
+    report.skipped.push_back(join_path(dir, name) + problems);
+    if (acc.is_main_process()) {
+      std::fprintf(stderr, "torchpoint: warning: passing over %s%s\n",
+                   join_path(dir, name).c_str(), problems.c_str());
+    }
+  }
+  throw Error(ErrorCode::NotFound,
+              fmt::format("no checkpoint under {} is committed and valid on every one of the {} "
+                          "nodes (save_on_each_node){}; save one with save_state() first",
+                          dir, nodes,
+                          report.skipped.empty()
+                              ? std::string()
+                              : fmt::format(" ({} passed over)", report.skipped.size())));
 }
 
 void Accelerator::Loading::read() {
@@ -541,10 +803,21 @@ void Accelerator::Loading::read() {
 
 void Accelerator::Loading::restore() {
   const int rank = acc.process_index();
-  // This process's RNG file; a process the checkpoint has none for (more processes now) takes
-  // rank 0's and reseeds its CPU generator below.
-  own_rng = rank < saved_world;
-  rng_file = random_states_name(own_rng ? rank : 0);
+  // This process's RNG file; a process the checkpoint has none for (more processes now, or a
+  // node's checkpoint of save_on_each_node holding that node's ranks only) takes the lowest
+  // rank's there and reseeds its CPU generator below.
+  std::set<int> present;
+  for (const auto& c : loaded.checkpoint.components) {
+    if (!c.name.starts_with(detail::kRngPrefix)) continue;
+    std::string digits = c.name.substr(std::string(detail::kRngPrefix).size());
+    if (!digits.empty() && digits.size() < 10 &&
+        digits.find_first_not_of("0123456789") == std::string::npos) {
+      present.insert(std::stoi(digits));
+    }
+  }
+  own_rng = present.empty() ? rank < saved_world : present.count(rank) > 0;
+  rng_source = own_rng || present.empty() ? (own_rng ? rank : 0) : *present.begin();
+  rng_file = random_states_name(rng_source);
   StatefulSet set;
   for (std::size_t i = 0; i < acc.components_.size(); ++i) {
     set.add(names[i], acc.components_[i].object);
@@ -573,9 +846,9 @@ void Accelerator::Loading::restore() {
         at::detail::getDefaultCPUGenerator().current_seed() + static_cast<std::uint64_t>(rank);
     torch::manual_seed(seed);
     report.notes.push_back(fmt::format(
-        "{} was saved by {} process(es) and has no RNG states for rank {}: it restored rank 0's "
-        "and seeded its CPU generator with rank 0's seed + {} = {}",
-        path, saved_world, rank, rank, seed));
+        "{} was saved by {} process(es) and has no RNG states for rank {}: it restored rank {}'s "
+        "and seeded its CPU generator with rank {}'s seed + {} = {}",
+        path, saved_world, rank, rng_source, rng_source, rank, seed));
   }
 }
 
