@@ -170,6 +170,7 @@ ChildRun run_two_nodes(const std::string& dir, const std::string& log, const std
                        int per_node = 1, int max_restarts = 3, const std::string& extra_env = "",
                        bool own_disks = false) {
   const int port = free_port("127.0.0.2");
+  std::filesystem::create_directories(dir);
   std::string script;
   for (int node = 0; node < 2; ++node) {
     const std::string address = node == 0 ? "127.0.0.2" : "127.0.0.3";
@@ -519,7 +520,7 @@ TEST(DistributedAccelerator, SaveOnEachNodeKeepsEveryNodeOnItsOwnDisk) {
   ASSERT_EQ(reference.status, 0) << reference.output;
   const std::map<long, std::string> steps = last_digest_by_step(reference.logs[0]);
   const std::string each_node = "TORCHPOINT_TEST_EACH_NODE=1";
-  auto expect_like_reference = [&](const ChildRun& run) {
+  auto expect_like_reference = [&](ChildRun& run) {
     for (int r = 0; r < 2; ++r) {
       for (const auto& [step, digest] : run.logs[r].steps) {
         EXPECT_EQ(digest, steps.at(step)) << "rank " << r << " step " << step;
@@ -622,9 +623,13 @@ TEST(DistributedAccelerator, AWholeNodeKilledAndStartedAgainEndsLikeTheUninterru
   const std::string sub = dir.path() + "/nodes";
   std::filesystem::create_directories(sub);
   const int port = free_port("127.0.0.2");
+  // TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with torchrun's shared store (torch 2.4 and later), an
+  // agent that was rank 0 keeps its store and does not publish its address again in a later
+  // round, and a freshly started agent waits for that address until the rendezvous times out.
   auto agent_command = [&](int node, int start) {
     return fmt::format(
-        "GLOO_SOCKET_IFNAME=lo TORCHPOINT_TEST_EPOCHS=40 exec {} -m torch.distributed.run "
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 GLOO_SOCKET_IFNAME=lo TORCHPOINT_TEST_EPOCHS=40 "
+        "exec {} -m torch.distributed.run "
         "--nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.2:{} "
         "--rdzv-id tp{} --rdzv-conf is_host={} --local-addr 127.0.0.{} --max-restarts 3 "
         "--monitor-interval 0.1 --no-python {} {}/project {}/log none 16 > {}/node{}.{}.out 2>&1",
@@ -643,11 +648,27 @@ TEST(DistributedAccelerator, AWholeNodeKilledAndStartedAgainEndsLikeTheUninterru
   pid_t node0 = start_agent(0, 0), node1 = start_agent(1, 0);
   ASSERT_GT(node0, 0);
   ASSERT_GT(node1, 0);
+  // However the test ends, no agent or worker outlives it.
+  struct Reaper {
+    pid_t* agents[2];
+    ~Reaper() {
+      for (pid_t* agent : agents) {
+        if (::kill(*agent, 0) != 0) continue;
+        ::kill(*agent, SIGSTOP);
+        for (pid_t w : children_of(*agent)) ::kill(w, SIGKILL);
+        ::kill(*agent, SIGKILL);
+        ::waitpid(*agent, nullptr, 0);
+      }
+    }
+  } reaper{{&node0, &node1}};
+  auto checkpoints = [&] {
+    return std::filesystem::exists(sub + "/project/checkpoints") ? committed(sub).size() : 0;
+  };
   // Until two checkpoints are committed.
-  for (int wait = 0; wait < 1200 && committed(sub).size() < 2; ++wait) {
+  for (int wait = 0; wait < 1200 && checkpoints() < 2; ++wait) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  ASSERT_GE(committed(sub).size(), 2u) << tt::read_bytes(sub + "/node0.0.out");
+  ASSERT_GE(checkpoints(), 2u) << tt::read_bytes(sub + "/node0.0.out");
   // The whole node at once: the agent stopped first so that it restarts nothing, its workers
   // (each in a session of its own) and then the agent killed.
   ASSERT_EQ(::kill(node1, SIGSTOP), 0);
