@@ -6,8 +6,9 @@
 //
 // Usage:
 //   torchrun --nproc-per-node 2 --max-restarts 1 --no-python accelerate_torchrun WORK_DIR
-//   [KILL_STEP]
-// With KILL_STEP, rank 1 kills itself with SIGKILL after that step on torchrun's first attempt.
+//   [KILL_STEP [EPOCHS]]
+// With KILL_STEP (-1: none), rank 1 kills itself with SIGKILL after that step on torchrun's first
+// attempt. EPOCHS: how many epochs to train (2).
 // The main process writes the final weights to WORK_DIR/final_model.safetensors.
 #include <fmt/format.h>
 #include <signal.h>
@@ -39,11 +40,12 @@ struct Regression : torch::data::datasets::Dataset<Regression> {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: accelerate_torchrun WORK_DIR [KILL_STEP]\n");
+    std::fprintf(stderr, "usage: accelerate_torchrun WORK_DIR [KILL_STEP [EPOCHS]]\n");
     return 2;
   }
   const std::string work = argv[1];
   const long kill_step = argc > 2 ? std::atol(argv[2]) : -1;
+  const long num_epochs = argc > 3 ? std::atol(argv[3]) : 2;
   const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");
   const bool first_attempt = restarts == nullptr || std::string(restarts) == "0";
 
@@ -71,7 +73,6 @@ int main(int argc, char** argv) {
   if (auto report = accelerator.try_load_state()) {
     accelerator.print(fmt::format("resumed from {} at step {}", report->path, report->step));
   }
-  const int num_epochs = 2;
   while (counters.epoch < num_epochs) {
     for (auto& batch : *train_dataloader) {
       optimizer.zero_grad();

@@ -10,7 +10,10 @@
 #   4. accelerate_torchrun: Accelerate's loop on 2 processes under torchrun, once uninterrupted
 #      and once with rank 1 killed (SIGKILL) mid-epoch and the pair restarted by torchrun
 #      (--max-restarts 1): both end with the same weights, bit for bit.
-#   5. accelerate_interop: from Python Accelerate to C++ and back: the real accelerate trains
+#   5. The same on two "nodes" (torchrun agents on 127.0.0.2 and 127.0.0.3, 2 processes each),
+#      node 1 killed whole (agent and workers) after two checkpoints and started again: the
+#      4 processes end with the uninterrupted 4-process run's weights, bit for bit.
+#   6. accelerate_interop: from Python Accelerate to C++ and back: the real accelerate trains
 #      and saves, the C++ program loads that directory, trains and exports it in Accelerate's
 #      layout, and Python loads it and finishes where a Python-only run ends.
 set -euo pipefail
@@ -49,6 +52,46 @@ else
   exit 1
 fi
 ./build/tools/torchpoint ls build/demo-run/torchrun/killed/checkpoints
+echo
+echo "== two nodes (torchrun agents on 127.0.0.2 and 127.0.0.3, 2 processes each), one killed whole"
+nodes=build/demo-run/nodes
+mkdir -p "$nodes"
+echo "-- uninterrupted, 4 processes on one node (20 epochs):"
+"$python" -m torch.distributed.run --standalone --nproc-per-node 4 --no-python \
+  ./build/examples/accelerate_torchrun "$nodes/uninterrupted" -1 20 >"$nodes/uninterrupted.log" 2>&1
+tail -n 1 "$nodes/uninterrupted.log"
+port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.2", 0)); print(s.getsockname()[1])')
+# One torchrun agent per "node". TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with torchrun's shared
+# store (torch 2.4 and later) a node started again could not join the next rendezvous round.
+agent() {  # agent NODE
+  TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 GLOO_SOCKET_IFNAME=lo exec "$python" -m torch.distributed.run \
+    --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint "127.0.0.2:$port" \
+    --rdzv-id "demo$port" --rdzv-conf "is_host=$([[ $1 == 0 ]] && echo true || echo false)" \
+    --local-addr "127.0.0.$(($1 + 2))" --max-restarts 3 --no-python \
+    ./build/examples/accelerate_torchrun "$nodes/killed" -1 20 >>"$nodes/node$1.log" 2>&1
+}
+agent 0 & node0=$!
+agent 1 & node1=$!
+until (($(find "$nodes/killed/checkpoints" -maxdepth 1 -name 'checkpoint_*' ! -name '*.tmp-*' 2>/dev/null | wc -l) >= 2)); do
+  sleep 0.05
+done
+# The whole of node 1 at once, as a machine losing power: its agent and its 2 workers.
+kill -STOP "$node1"
+workers=$(pgrep -P "$node1" || true)
+kill -KILL $workers "$node1"
+wait "$node1" 2>/dev/null || true
+echo "-- node 1 killed (agent and workers, SIGKILL) after 2 checkpoints; started again:"
+agent 1 & node1=$!
+wait "$node0"
+wait "$node1"
+grep -h "resumed from" "$nodes"/node*.log | sort -u
+if ./build/tools/torchpoint diff "$nodes/uninterrupted/final_model.safetensors" \
+  "$nodes/killed/final_model.safetensors" >/dev/null; then
+  echo "  [ok] the two nodes, one killed and started again, end with the 4-process run's weights, bit for bit"
+else
+  echo "  [FAILED] the two nodes' weights differ from the uninterrupted 4-process run's"
+  exit 1
+fi
 echo
 echo "== accelerate_interop (from Python Accelerate to C++ and back)"
 mkdir -p build/demo-run/interop

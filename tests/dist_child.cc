@@ -28,6 +28,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -228,8 +229,25 @@ int main(int argc, char** argv) {
           in_save = true;
           if (saves == hang_save) ::sleep(600);
           if (saves == fail_save) env.fail_nth({tp::testing::Op::Write}, 1, ENOSPC);
+          const std::uint64_t requests_before =
+              acc.process_group() ? acc.process_group()->store_requests() : 0;
+          const double seconds_before =
+              acc.process_group() ? acc.process_group()->store_seconds() : 0;
+          const auto save_start = std::chrono::steady_clock::now();
           try {
             acc.save_state();
+            if (acc.process_group()) {
+              // What this save cost this process in coordination: store requests, seconds in
+              // them, and the whole save's seconds.
+              tp::testing::append_line(
+                  log, fmt::format(
+                           "save_cost {} {} {:.6f} {:.6f}", saves,
+                           acc.process_group()->store_requests() - requests_before,
+                           acc.process_group()->store_seconds() - seconds_before,
+                           std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                                         save_start)
+                               .count()));
+            }
           } catch (const tp::Error& e) {
             if (plan.rfind("fail:", 0) != 0) throw;
             tp::testing::append_line(log, std::string("save_failed ") + e.what());

@@ -85,6 +85,11 @@ class ProcessGroup {
   // How many collectives (barrier, broadcast, allreduce, allgather; a bucketed call counts one
   // per bucket) this process has entered so far: the same on every rank of a healthy run.
   std::uint64_t collectives() const { return collectives_; }
+  // What coordination cost this process so far: the store requests it made (each collective's
+  // progress record, and every set, wait and get of the exchanges below), and the seconds it
+  // spent in the exchanges' requests, waiting for the other ranks included.
+  std::uint64_t store_requests() const { return store_requests_; }
+  double store_seconds() const { return store_seconds_; }
   const ProcessGroupOptions& options() const { return options_; }
 
   // Collectives: every rank calls the same ones in the same order. Each throws
@@ -144,6 +149,9 @@ class ProcessGroup {
   std::unique_ptr<Impl> impl_;
   std::uint64_t collectives_ = 0;
   std::uint64_t exchanges_ = 0;
+  std::uint64_t store_requests_ = 0;
+  double store_seconds_ = 0;
+  struct StoreTimer;
 };
 
 }  // namespace torchpoint

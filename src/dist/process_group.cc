@@ -247,9 +247,21 @@ std::shared_ptr<ProcessGroup> ProcessGroup::from_environment() {
 
 std::uint64_t ProcessGroup::enter_collective() {
   const std::uint64_t n = ++collectives_;
+  ++store_requests_;
   impl_->store->set(fmt::format("progress/{}", rank()), bytes_of(std::to_string(n)));
   return n;
 }
+
+// Times one exchange's store requests (waiting for the other ranks included).
+struct ProcessGroup::StoreTimer {
+  explicit StoreTimer(ProcessGroup& g) : group(g), start(std::chrono::steady_clock::now()) {}
+  ~StoreTimer() {
+    group.store_seconds_ +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+  ProcessGroup& group;
+  std::chrono::steady_clock::time_point start;
+};
 
 void ProcessGroup::collective_failed(std::uint64_t n, const std::string& what,
                                      const std::exception& cause) {
@@ -350,6 +362,8 @@ std::vector<at::Tensor> ProcessGroup::allgather(const at::Tensor& tensor, const 
 std::vector<std::string> ProcessGroup::wait_for_keys(const std::vector<std::string>& keys,
                                                      const std::vector<int>& ranks,
                                                      const std::string& what) {
+  StoreTimer timer(*this);
+  store_requests_ += 1 + keys.size();  // the wait, then a get for each key
   try {
     impl_->store->wait(keys, timeout());
   } catch (const std::exception& e) {
@@ -381,6 +395,8 @@ std::string ProcessGroup::broadcast_string(const std::string& value, int root,
                                            const std::string& what) {
   std::string k = next_key();
   if (rank() == root) {
+    StoreTimer timer(*this);
+    ++store_requests_;
     impl_->store->set(k, bytes_of(value));
     return value;
   }
@@ -390,7 +406,11 @@ std::string ProcessGroup::broadcast_string(const std::string& value, int root,
 std::vector<std::string> ProcessGroup::allgather_strings(const std::string& value,
                                                          const std::string& what) {
   std::string k = next_key();
-  impl_->store->set(fmt::format("{}/{}", k, rank()), bytes_of(value));
+  {
+    StoreTimer timer(*this);
+    ++store_requests_;
+    impl_->store->set(fmt::format("{}/{}", k, rank()), bytes_of(value));
+  }
   std::vector<std::string> keys;
   std::vector<int> ranks;
   for (int r = 0; r < size(); ++r) {
@@ -404,6 +424,8 @@ std::vector<std::string> ProcessGroup::gather_strings(const std::string& value, 
                                                       const std::string& what) {
   std::string k = next_key();
   if (rank() != root) {
+    StoreTimer timer(*this);
+    ++store_requests_;
     impl_->store->set(fmt::format("{}/{}", k, rank()), bytes_of(value));
     return {};
   }
@@ -498,19 +520,29 @@ std::string ProcessGroup::decided_by_main(const std::function<std::string()>& fn
 }
 
 void ProcessGroup::agree(const std::exception_ptr& failure, const std::string& what) {
-  std::vector<std::string> outcomes = allgather_strings(outcome_of(failure).dump(), what);
+  // Every rank's outcome to rank 0, rank 0's verdict to every rank: one request per rank and
+  // two exchanges (about 3 store requests per rank, 2W on rank 0), where an all-to-all
+  // exchange would cost every rank W.
+  std::vector<std::string> outcomes = gather_strings(outcome_of(failure).dump(), 0, what);
+  nlohmann::json verdict = nlohmann::json::array();
+  if (rank() == 0) {
+    for (std::size_t r = 0; r < outcomes.size(); ++r) {
+      nlohmann::json outcome = nlohmann::json::parse(outcomes[r]);
+      if (outcome.at("ok").get<bool>()) continue;
+      outcome["rank"] = r;
+      verdict.push_back(std::move(outcome));
+    }
+  }
+  verdict = nlohmann::json::parse(broadcast_string(verdict.dump(), 0, what));
+  if (verdict.empty()) return;
+  if (failure) std::rethrow_exception(failure);
   std::string failed;
-  ErrorCode code = ErrorCode::IOError;
-  for (std::size_t r = 0; r < outcomes.size(); ++r) {
-    nlohmann::json outcome = nlohmann::json::parse(outcomes[r]);
-    if (outcome.at("ok").get<bool>()) continue;
-    if (failed.empty()) code = error_code_named(outcome.at("code").get<std::string>());
-    failed += fmt::format("{}rank {}: {}", failed.empty() ? "" : "; ", r,
+  for (const nlohmann::json& outcome : verdict) {
+    failed += fmt::format("{}rank {}: {}", failed.empty() ? "" : "; ",
+                          outcome.at("rank").get<std::size_t>(),
                           outcome.at("message").get<std::string>());
   }
-  if (failed.empty()) return;
-  if (failure) std::rethrow_exception(failure);
-  throw Error(code,
+  throw Error(error_code_named(verdict[0].at("code").get<std::string>()),
               fmt::format("rank {}: {} failed on another process ({})", rank(), what, failed));
 }
 
