@@ -70,6 +70,45 @@ struct Accelerator::HookedComponents {
   }
   HookedComponents(const HookedComponents&) = delete;
   HookedComponents& operator=(const HookedComponents&) = delete;
+
+  // What a save writes after its hooks ran on the main (or a node's local main) process: the
+  // model states the hooks left, as components, and the models they stand for.
+  static void swap_in(std::optional<HookedComponents>& out, Accelerator& acc,
+                      SavedModels& saved) {
+    out.emplace(acc,
+                acc.components_with_models(saved.weights.size(),
+                                           [&](std::size_t j) {
+                                             return AnyStateful::value(
+                                                 HookedModelState{saved.weights[j]});
+                                           }),
+                ModelList(acc.models_.begin(),
+                          acc.models_.begin() + static_cast<std::ptrdiff_t>(saved.weights.size())));
+  }
+
+  // With several processes, after the writers opened the checkpoint in `dir`: the other
+  // processes run the save hooks there too, as Accelerate does on every process, then the
+  // writers (`save` non-null) list the files all the hooks wrote. Every process throws when any
+  // failed.
+  static void run_on_the_others(Accelerator& acc, bool writer, const std::string& dir,
+                                DirectorySave* save, const std::string& about) {
+    std::exception_ptr failure;
+    try {
+      if (!writer) {
+        SavedModels theirs;
+        acc.run_save_hooks(acc.save_hooks_->snapshot(), dir, theirs);
+      }
+    } catch (const std::exception&) {
+      failure = std::current_exception();
+    }
+    acc.group_->agree(failure, about + ": the save hooks (nothing was committed)");
+    failure = nullptr;
+    try {
+      if (save != nullptr) save->collect_hook_files();
+    } catch (const std::exception&) {
+      failure = std::current_exception();
+    }
+    acc.group_->agree(failure, about + ": the files of the save hooks (nothing was committed)");
+  }
 };
 
 std::vector<Accelerator::Component> Accelerator::components_with_models(
@@ -250,14 +289,7 @@ std::string Accelerator::save_state_with(const std::string& output_dir, bool ove
     DirectorySave save(env_, path, all, options);
     std::optional<HookedComponents> hooked;
     if (!save_hooks_->hooks.empty()) {
-      hooked.emplace(*this,
-                     components_with_models(saved.weights.size(),
-                                            [&](std::size_t j) {
-                                              return AnyStateful::value(
-                                                  HookedModelState{saved.weights[j]});
-                                            }),
-                     ModelList(models_.begin(),
-                               models_.begin() + static_cast<std::ptrdiff_t>(saved.weights.size())));
+      HookedComponents::swap_in(hooked, *this, saved);
       names = component_names();
       all = names;
       all.push_back(random_states_name(0));
@@ -305,15 +337,7 @@ std::string Accelerator::save_state_distributed(const std::string& output_dir, b
         for (int r = 0; r < world; ++r) all.push_back(random_states_name(r));
         save = std::make_unique<DirectorySave>(env_, path, all, options);
         if (!save_hooks_->hooks.empty()) {
-          hooked.emplace(*this,
-                         components_with_models(saved.weights.size(),
-                                                [&](std::size_t j) {
-                                                  return AnyStateful::value(
-                                                      HookedModelState{saved.weights[j]});
-                                                }),
-                         ModelList(models_.begin(),
-                                   models_.begin() +
-                                       static_cast<std::ptrdiff_t>(saved.weights.size())));
+          HookedComponents::swap_in(hooked, *this, saved);
           names = component_names();
           all = names;
           for (int r = 0; r < world; ++r) all.push_back(random_states_name(r));
@@ -325,28 +349,8 @@ std::string Accelerator::save_state_distributed(const std::string& output_dir, b
   // From here a number is used up, as by an asynchronous save: one that fails leaves it unused.
   if (automatic) config_.iteration(config_.iteration() + 1);
   if (!save_hooks_->hooks.empty()) {
-    std::exception_ptr hook_failure;
-    try {
-      if (rank != 0) {
-        SavedModels theirs;
-        run_save_hooks(save_hooks_->snapshot(), opened.at("dir").get<std::string>(), theirs);
-      }
-    } catch (const std::exception&) {
-      hook_failure = std::current_exception();
-    }
-    group_->agree(hook_failure,
-                  fmt::format("save_state() of {}: the save hooks (nothing was committed)", path));
-    // Then the main process lists what every process's hooks wrote.
-    std::exception_ptr listing_failure;
-    try {
-      if (rank == 0) save->collect_hook_files();
-    } catch (const std::exception&) {
-      listing_failure = std::current_exception();
-    }
-    group_->agree(listing_failure,
-                  fmt::format("save_state() of {}: the files of the save hooks (nothing was "
-                              "committed)",
-                              path));
+    HookedComponents::run_on_the_others(*this, rank == 0, opened.at("dir").get<std::string>(),
+                                        save.get(), fmt::format("save_state() of {}", path));
   }
 
   // 2. Every process writes and fsyncs its own files there: the main process the components,
@@ -437,15 +441,7 @@ std::string Accelerator::save_state_per_node(const std::string& output_dir, bool
     if (writer) {
       save = std::make_unique<DirectorySave>(env_, path, file_names(), options);
       if (!save_hooks_->hooks.empty()) {
-        hooked.emplace(*this,
-                       components_with_models(saved.weights.size(),
-                                              [&](std::size_t j) {
-                                                return AnyStateful::value(
-                                                    HookedModelState{saved.weights[j]});
-                                              }),
-                       ModelList(models_.begin(),
-                                 models_.begin() +
-                                     static_cast<std::ptrdiff_t>(saved.weights.size())));
+        HookedComponents::swap_in(hooked, *this, saved);
         names = component_names();
         save->set_component_names(file_names());
       }
@@ -464,23 +460,7 @@ std::string Accelerator::save_state_per_node(const std::string& output_dir, bool
 
   // 2. The other processes' hooks, in their node's directory; then each writer lists the files.
   if (!save_hooks_->hooks.empty()) {
-    failure = nullptr;
-    try {
-      if (!writer) {
-        SavedModels theirs;
-        run_save_hooks(save_hooks_->snapshot(), dir, theirs);
-      }
-    } catch (const std::exception&) {
-      failure = std::current_exception();
-    }
-    group_->agree(failure, about + ": the save hooks (nothing was committed)");
-    failure = nullptr;
-    try {
-      if (writer) save->collect_hook_files();
-    } catch (const std::exception&) {
-      failure = std::current_exception();
-    }
-    group_->agree(failure, about + ": the files of the save hooks (nothing was committed)");
+    HookedComponents::run_on_the_others(*this, writer, dir, save.get(), about);
   }
 
   // 3. Every process writes its files into its node's directory.
