@@ -275,7 +275,14 @@ void ProcessGroup::collective_failed(std::uint64_t n, const std::string& what,
     auto count_of = [&](const std::string& key) -> std::uint64_t {
       return impl_->store->check({key}) ? std::stoull(string_of(impl_->store->get(key))) : 0;
     };
-    const auto grace = std::min<std::chrono::milliseconds>(timeout() / 2, std::chrono::seconds(5));
+    // Only a timeout has other ranks failing at about the same time; a connection a peer closed
+    // or reset (it died) is named at once.
+    const std::string said = cause_of(cause);
+    const bool timed_out = said.find("imed out") != std::string::npos ||
+                           said.find("timeout") != std::string::npos;
+    const auto grace = timed_out ? std::min<std::chrono::milliseconds>(timeout() / 2,
+                                                                       std::chrono::seconds(5))
+                                 : std::chrono::milliseconds(0);
     const auto until = std::chrono::steady_clock::now() + grace;
     for (;;) {
       behind.clear();
