@@ -17,6 +17,8 @@
 //            N's save)
 //            kill:R:load:M: rank R kills itself after step 9 (two saves), then, started again,
 //            at its M-th file-system call inside load_state.
+//            freeze:R:load:M: rank R stops itself (SIGSTOP) at its M-th file-system call inside
+//            load_state (the project must hold a checkpoint).
 //            A kill fires once per LOG prefix (a file LOG.fired.K records it), whichever torchrun
 //            agent and restart count the rank has.
 //          R is the rank it happens on; K counts this process's saves from 1; op:M is the M-th
@@ -92,7 +94,8 @@ int main(int argc, char** argv) {
 
   char what[16] = "";
   int plan_rank = -1;
-  long kill_step = -1, kill_save = -1, kill_op = -1, kill_load_op = -1, fail_save = -1,
+  long kill_step = -1, kill_save = -1, kill_op = -1, kill_load_op = -1, freeze_load_op = -1,
+       fail_save = -1,
        hang_step = -1, hang_save = -1, stop_step = -1;
   if (std::sscanf(plan.c_str(), "%15[a-z]:%d:", what, &plan_rank) == 2 && plan_rank == rank &&
       (first_attempt || (fired == 1 && plan.find(":load:") != std::string::npos))) {
@@ -105,6 +108,8 @@ int main(int argc, char** argv) {
         kill_load_op = -1;
         kill_step = 9;
       }
+    } else if (w == "freeze") {
+      std::sscanf(rest, "load:%ld", &freeze_load_op);
     } else if (w == "fail") {
       std::sscanf(rest, "save:%ld", &fail_save);
     } else if (w == "hang") {
@@ -127,6 +132,7 @@ int main(int argc, char** argv) {
       tp::testing::append_line(log, "foreign " + path);
     }
     if (in_load && ++ops_in_load == kill_load_op) kill_self();
+    if (in_load && ops_in_load == freeze_load_op) ::raise(SIGSTOP);
     if (!in_save) return;
     ++ops_in_save;
     if (saves == kill_save && ops_in_save == kill_op) kill_self();

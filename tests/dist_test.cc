@@ -703,39 +703,59 @@ TEST(DistributedAccelerator, AWholeNodeKilledAndStartedAgainEndsLikeTheUninterru
 }
 
 // SIGSTOP of one rank at seeded random moments of a long run (in a step, inside the gradient
-// allreduce, between collectives, inside a save): every other rank fails within the group's
-// timeout plus a little, naming the stopped rank, and no committed checkpoint is torn.
+// allreduce, between collectives, inside a save), and of either rank inside the load of a resumed
+// run: every other rank fails within the group's timeout plus a little, naming the stopped rank,
+// and no committed checkpoint is torn.
 TEST(DistributedAccelerator, AStoppedRankIsNamedWhereverItStops) {
   tt::TempDir dir;
   std::mt19937 rng(20261205);
-  for (int i = 0; i < 10; ++i) {
-    const int stopped = static_cast<int>(rng() % 2), other = 1 - stopped;
-    const int delay_ms = static_cast<int>(rng() % 800);
-    SCOPED_TRACE(fmt::format("case {}: rank {} stopped {} ms after its first step", i, stopped,
-                             delay_ms));
+  // Cases 10 and 11: rank 0, then rank 1, stops itself inside the load of a resumed run.
+  for (int i = 0; i < 12; ++i) {
+    const bool in_load = i >= 10;
+    const int stopped = in_load ? i - 10 : static_cast<int>(rng() % 2), other = 1 - stopped;
+    const int delay_ms = in_load ? 0 : static_cast<int>(rng() % 800);
+    SCOPED_TRACE(in_load ? fmt::format("case {}: rank {} stopped inside load_state", i, stopped)
+                         : fmt::format("case {}: rank {} stopped {} ms after its first step", i,
+                                       stopped, delay_ms));
     std::string sub = dir.path() + "/" + std::to_string(i);
     std::filesystem::create_directories(sub);
+    if (in_load) {  // a checkpoint to resume from
+      ChildRun first = run_child(sub, "first", 2, "stop:step:8", 16, 0);
+      ASSERT_EQ(first.status, 0) << first.output;
+    }
     const std::string command = fmt::format(
         "TORCHPOINT_PROCESS_TIMEOUT=3 TORCHPOINT_TEST_EPOCHS=400 exec {} -m torch.distributed.run "
         "--standalone --nproc-per-node 2 --max-restarts 0 --monitor-interval 0.1 --no-python "
-        "{} {}/project {}/log none 16 > {}/log.out 2>&1",
-        tt::python(), DIST_CHILD, sub, sub, sub);
+        "{} {}/project {}/log {} 16 > {}/log.out 2>&1",
+        tt::python(), DIST_CHILD, sub, sub,
+        in_load ? fmt::format("freeze:{}:load:3", stopped) : std::string("none"), sub);
     pid_t agent = ::fork();
     if (agent == 0) {
       ::execl("/bin/sh", "sh", "-c", command.c_str(), static_cast<char*>(nullptr));
       ::_exit(127);
     }
     ASSERT_GT(agent, 0);
-    // Until the rank to stop has logged its first step.
+    // Until the rank to stop has logged its first step (in a load: has stopped itself).
+    auto is_stopped = [](pid_t pid) {
+      std::ifstream stat(fmt::format("/proc/{}/stat", pid));
+      std::string line;
+      std::getline(stat, line);
+      return line.size() > line.rfind(')') + 2 && line[line.rfind(')') + 2] == 'T';
+    };
     pid_t target = 0;
     for (int wait = 0; wait < 600 && target == 0; ++wait) {
       RankLog log = read_log(fmt::format("{}/log.{}", sub, stopped));
-      if (!log.steps.empty() && !log.other["pid"].empty()) target = std::stoi(log.other["pid"][0]);
+      if (!log.other["pid"].empty() && (in_load ? is_stopped(std::stoi(log.other["pid"][0]))
+                                                : !log.steps.empty())) {
+        target = std::stoi(log.other["pid"][0]);
+      }
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
     ASSERT_NE(target, 0) << tt::read_bytes(sub + "/log.out");
-    std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
-    ASSERT_EQ(::kill(target, SIGSTOP), 0);
+    if (!in_load) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+      ASSERT_EQ(::kill(target, SIGSTOP), 0);
+    }
     const auto stopped_at = std::chrono::steady_clock::now();
     // The other rank gives up and logs why; then the stopped one is killed, as an operator would
     // (torchrun's SIGTERM does not reach a stopped process), and the agent ends.
