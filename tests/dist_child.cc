@@ -27,6 +27,11 @@
 // With TORCHPOINT_TEST_ACCUMULATE=1 in the environment, every step accumulates the gradients of
 // the two halves of its batch: the first backward() under no_sync(), the second synchronized,
 // each of half the loss; rank 0 then logs "collectives <n>" (collectives it entered) at the end.
+// With TORCHPOINT_TEST_ZERO=S (0, 1 or 2) the optimizer has two param groups (the first layer;
+// the rest with its own learning rate, weight decay and amsgrad) and the Accelerator runs ZeRO
+// stage S (0: none); TORCHPOINT_TEST_CLIP=norm|value clips the gradients before every step
+// (clip_grad_norm_ to 0.5, clip_grad_value_ to 0.05). Every process then logs
+// "optimizer_bytes <n>" (the optimizer state it holds) at the end.
 #include <signal.h>
 #include <unistd.h>
 
@@ -161,7 +166,20 @@ int main(int argc, char** argv) {
     torch::manual_seed(1 + rank);  // different on every rank: prepare() must make them equal
     auto model = torch::nn::Sequential(torch::nn::Linear(10, 32), torch::nn::ReLU(),
                                        torch::nn::Linear(32, 1));
-    torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+    const char* zero_env = std::getenv("TORCHPOINT_TEST_ZERO");
+    const std::string clip = std::getenv("TORCHPOINT_TEST_CLIP") ? std::getenv("TORCHPOINT_TEST_CLIP") : "";
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    if (zero_env != nullptr) {
+      acc.set_zero_stage(std::atoi(zero_env));
+      std::vector<at::Tensor> first = model[0]->parameters(), rest = model[2]->parameters();
+      groups.emplace_back(first);
+      groups.emplace_back(rest, std::make_unique<torch::optim::AdamWOptions>(
+                                    torch::optim::AdamWOptions(5e-3).weight_decay(0.05).amsgrad(
+                                        true)));
+    } else {
+      groups.emplace_back(model->parameters());
+    }
+    torch::optim::AdamW optimizer(std::move(groups), torch::optim::AdamWOptions(1e-2));
     tp::StepLR scheduler(optimizer, tp::StepLROptions(1).gamma(0.9));
     tp::GradScaler scaler(tp::GradScalerOptions().init_scale(1024).growth_interval(4));
     tp::TrainingCounters counters;
@@ -219,6 +237,8 @@ int main(int argc, char** argv) {
         } else {
           acc.backward(torch::mse_loss(model->forward(b.data), target) * blow_up);
         }
+        if (clip == "norm") acc.clip_grad_norm_(model->parameters(), 0.5);
+        if (clip == "value") acc.clip_grad_value_(model->parameters(), 0.05);
         acc.optimizer_step(optimizer);
         ++counters.step;
         ++counters.batch_in_epoch;
@@ -268,9 +288,13 @@ int main(int argc, char** argv) {
       ++counters.epoch;
       counters.batch_in_epoch = 0;
     }
+    if (zero_env != nullptr) {
+      tp::testing::append_line(log, fmt::format("optimizer_bytes {}", acc.optimizer_state_bytes()));
+    }
     tp::StateDict final_state;
     final_state.set_child("model", tp::module_state_dict(*model));
-    final_state.set_child("optimizer", tp::optimizer_state_dict(optimizer));
+    // Under ZeRO the optimizer's state is in its parts (the checkpoints hold it whole).
+    if (acc.zero_stage() == 0) final_state.set_child("optimizer", tp::optimizer_state_dict(optimizer));
     final_state.set_child("scheduler", scheduler.state_dict());
     final_state.set_child("scaler", scaler.state_dict());
     final_state.set_child("rng", acc.rng().state_dict());

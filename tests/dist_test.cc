@@ -346,6 +346,105 @@ TEST(DistributedAccelerator, TwoAndFourProcessesStayIdenticalAndMatchOneProcess)
   }
 }
 
+// The tensors of one file of the last committed checkpoint of DIR's project.
+tp::Container last_checkpoint_file(const std::string& dir, const std::string& file) {
+  std::vector<std::string> names = committed(dir);
+  EXPECT_FALSE(names.empty()) << dir;
+  if (names.empty()) return {};
+  return tp::load_file(dir + "/project/checkpoints/" + names.back() + "/" + file);
+}
+
+void expect_equal_files(const tp::Container& a, const tp::Container& b, const std::string& what) {
+  ASSERT_EQ(a.tensors.size(), b.tensors.size()) << what;
+  for (std::size_t i = 0; i < a.tensors.size(); ++i) {
+    EXPECT_EQ(a.tensors[i].first, b.tensors[i].first) << what;
+    EXPECT_TRUE(torch::equal(a.tensors[i].second, b.tensors[i].second))
+        << what << ": " << a.tensors[i].first << " differs";
+  }
+}
+
+// A copy of checkpoint NAME of FROM's project as the only checkpoint of TO's.
+void seed_project(const std::string& from, const std::string& name, const std::string& to) {
+  std::filesystem::create_directories(to + "/project/checkpoints");
+  std::filesystem::copy(from + "/project/checkpoints/" + name,
+                        to + "/project/checkpoints/" + name,
+                        std::filesystem::copy_options::recursive);
+}
+
+// ZeRO stages 1 and 2 (AdamW, two param groups, amsgrad in one, a GradScaler that sees an inf
+// every 7th step, gradients clipped by value) on 2 processes: every step's parameters and the
+// checkpoints' model and unsharded optimizer state are bit for bit those of plain data
+// parallel, whose reductions are the same sums (a + b). Each process holds about half the
+// optimizer state. Checkpoints of a sharded run load on any layout: stage 2's and plain's
+// step-8 checkpoints resumed on 1 process end bit-identical, stage 1's resumed on 4 processes
+// at stage 2 equals plain's resumed on 4 plain. clip_grad_norm_ at stage 2 sums the squares per
+// part, in another order than over whole tensors: within 1e-6 of plain.
+TEST(DistributedAccelerator, ZeroStagesStepAsPlainDataParallelAndTheirCheckpointsLoadAnywhere) {
+  tt::TempDir dir;
+  const std::string d = dir.path();
+  std::map<std::string, ChildRun> runs;
+  for (const auto& [name, env] : std::vector<std::pair<std::string, std::string>>{
+           {"plain", "TORCHPOINT_TEST_ZERO=0 TORCHPOINT_TEST_CLIP=value"},
+           {"z1", "TORCHPOINT_TEST_ZERO=1 TORCHPOINT_TEST_CLIP=value"},
+           {"z2", "TORCHPOINT_TEST_ZERO=2 TORCHPOINT_TEST_CLIP=value"},
+           {"plain_norm", "TORCHPOINT_TEST_ZERO=0 TORCHPOINT_TEST_CLIP=norm"},
+           {"z2_norm", "TORCHPOINT_TEST_ZERO=2 TORCHPOINT_TEST_CLIP=norm"}}) {
+    std::filesystem::create_directories(d + "/" + name);
+    runs[name] = run_child(d + "/" + name, "log", 2, "none", 16, 1, env);
+    ASSERT_EQ(runs[name].status, 0) << name << "\n" << runs[name].output;
+  }
+  const auto& plain = runs["plain"].logs;
+  ASSERT_EQ(plain[0].steps.size(), 18u);
+  for (const char* name : {"z1", "z2"}) {
+    for (int r = 0; r < 2; ++r) EXPECT_EQ(runs[name].logs[r].steps, plain[0].steps) << name;
+    expect_equal_files(last_checkpoint_file(d + "/" + name, "optimizer.safetensors"),
+                       last_checkpoint_file(d + "/plain", "optimizer.safetensors"), name);
+    expect_equal_files(last_checkpoint_file(d + "/" + name, "model.safetensors"),
+                       last_checkpoint_file(d + "/plain", "model.safetensors"), name);
+    // About half the unsharded state on each process, together all of it: the split is even
+    // in parameter elements, and the amsgrad group keeps three tensors per element, the other
+    // two.
+    const long whole = std::stol(plain[0].other.at("optimizer_bytes").at(0));
+    long sum = 0;
+    for (int r = 0; r < 2; ++r) {
+      const long mine = std::stol(runs[name].logs[r].other.at("optimizer_bytes").at(0));
+      EXPECT_LE(mine, whole * 55 / 100) << name << " rank " << r;
+      sum += mine;
+    }
+    EXPECT_EQ(sum, whole) << name;
+  }
+  EXPECT_EQ(runs["z2_norm"].logs[1].steps, runs["z2_norm"].logs[0].steps);
+  expect_close_models(d + "/z2_norm/log.model.safetensors",
+                      d + "/plain_norm/log.model.safetensors", 1e-6);
+
+  // Resharding: the step-8 checkpoint (checkpoint_1) resumed elsewhere.
+  auto resume = [&](const std::string& from, const std::string& to, int processes, int batch,
+                    int stage) {
+    seed_project(d + "/" + from, "checkpoint_1", d + "/" + to);
+    ChildRun run = run_child(d + "/" + to, "log", processes, "none", batch, 1,
+                             fmt::format("TORCHPOINT_TEST_ZERO={} TORCHPOINT_TEST_CLIP=value",
+                                         stage));
+    EXPECT_EQ(run.status, 0) << to << "\n" << run.output;
+    EXPECT_FALSE(run.logs[0].other["resumed"].empty()) << to;
+    return run;
+  };
+  ChildRun z2_on_one = resume("z2", "z2_on_one", 0, 32, 0);
+  ChildRun plain_on_one = resume("plain", "plain_on_one", 0, 32, 0);
+  ASSERT_FALSE(plain_on_one.logs[0].steps.empty());
+  EXPECT_EQ(z2_on_one.logs[0].steps, plain_on_one.logs[0].steps);
+  expect_equal_files(tp::load_file(d + "/z2_on_one/log.model.safetensors"),
+                     tp::load_file(d + "/plain_on_one/log.model.safetensors"), "on one process");
+  ChildRun z1_on_four = resume("z1", "z1_on_four", 4, 8, 2);
+  ChildRun plain_on_four = resume("plain", "plain_on_four", 4, 8, 0);
+  ASSERT_FALSE(plain_on_four.logs[0].steps.empty());
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(z1_on_four.logs[r].steps, plain_on_four.logs[0].steps) << "rank " << r;
+  }
+  expect_equal_files(last_checkpoint_file(d + "/z1_on_four", "optimizer.safetensors"),
+                     last_checkpoint_file(d + "/plain_on_four", "optimizer.safetensors"),
+                     "on four processes");
+}
+
 // Gradient accumulation as Accelerate users write it: backward() of the first half of every batch
 // under no_sync() (no collective), then of the second half (one averaging). Ends where the plain
 // run on the same global batches ends, and enters exactly as many collectives as it.

@@ -39,6 +39,7 @@ namespace torchpoint {
 class RemovableHandle;
 
 namespace detail {
+class ZeroOptimizer;
 template <typename>
 inline constexpr bool kAlwaysFalse = false;
 // LibTorch's torch::optim::ReduceLROnPlateauScheduler (LibTorch 2.1 and later), recognised by
@@ -234,6 +235,32 @@ class Accelerator {
   // Accelerator(project_dir="...") as in Accelerate.
   explicit Accelerator(const std::string& project_dir)
       : Accelerator(ProjectConfiguration().project_dir(project_dir)) {}
+
+  // ZeRO, as DeepSpeed's stages (Accelerate's DeepSpeedPlugin(zero_stage=...)): 1 partitions
+  // each prepared optimizer's state over the processes, every process keeping the state of about
+  // 1/N of the parameters' elements (a flat split by bytes, not whole tensors) and stepping only
+  // those, after which the updated parameters are gathered to every process; 2 also
+  // reduce-scatters the gradients, each process keeping only the average of its own part (the
+  // parameters' .grad() are freed after a synchronizing backward(): clip with
+  // clip_grad_norm_()/clip_grad_value_() of this Accelerator, which work on the parts). 0 (the
+  // default) shards nothing. SGD, Adam and AdamW (element-wise updates), every option, several
+  // param groups, accumulation and a GradScaler; the parameters of one dtype. Call it before
+  // prepare(optimizer); on one process it runs the same code with one part. Throws
+  // InvalidArgument for another stage or after an optimizer was prepared; prepare(optimizer)
+  // throws Unsupported for another optimizer.
+  // Checkpoints hold the optimizer state unsharded, as an unsharded run writes it: gathered at
+  // save_state() and each process's part taken at load_state(), so a checkpoint loads on any
+  // number of processes at any stage.
+  //
+  // Example:
+  //   torchpoint::Accelerator acc;
+  //   acc.set_zero_stage(2);
+  //   auto [model, optimizer] = acc.prepare(net, adam);
+  void set_zero_stage(int stage);
+  int zero_stage() const { return zero_stage_; }
+  // The bytes of optimizer state (moments, momentum buffers) this process holds for its
+  // prepared optimizers: about 1/N of the unsharded state under ZeRO.
+  std::int64_t optimizer_state_bytes() const;
 
   // The device to train on: the first CUDA device when there is one, else the CPU.
   torch::Device device() const;
@@ -600,6 +627,7 @@ class Accelerator {
                                                          std::shared_ptr<void> keep_alive) {
     add_component("optimizer", AnyStateful::value(OptimizerAdapter{&optimizer, keep_alive}));
     watch(optimizer);
+    shard(optimizer);
     optimizers_.push_back(&optimizer);
     auto wrapped = std::make_shared<AcceleratedOptimizer<O>>(*this, optimizer, std::move(keep_alive));
     wrapped_optimizers_.push_back(wrapped);
@@ -740,6 +768,13 @@ class Accelerator {
   // Watches the optimizer's first trainable parameter: a hook on it counts backward passes
   // that did not go through backward(), and its gradient shows when gradients were cleared.
   void watch(torch::optim::Optimizer& optimizer);
+  // Under ZeRO, the sharded stepper of the optimizer being prepared (zero_, parallel to
+  // optimizers_); and the one of a prepared optimizer, or null.
+  void shard(torch::optim::Optimizer& optimizer);
+  detail::ZeroOptimizer* zero_of(const torch::optim::Optimizer& optimizer) const;
+  // One optimizer's step (with the GradScaler, when prepared); the scaler's update is the
+  // caller's.
+  bool step_one(torch::optim::Optimizer& optimizer);
   // Throws when scaled gradients from backward() were not consumed by optimizer_step(): at
   // save_state(), or at a backward() that finds them cleared (optimizer.step() then zero_grad()).
   void check_no_step_on_scaled_gradients(bool saving);
@@ -769,6 +804,8 @@ class Accelerator {
   bool unsynced_backward_ = false;
   std::vector<ResumableSampler*> samplers_;  // the prepared loaders' samplers
   std::vector<torch::optim::Optimizer*> optimizers_;  // the prepared optimizers
+  int zero_stage_ = 0;
+  std::vector<std::unique_ptr<detail::ZeroOptimizer>> zero_;  // each optimizer's, or null
   // What prepare(optimizer) returned: held here so that a reference to one stays valid.
   std::vector<std::shared_ptr<AcceleratedOptimizerBase>> wrapped_optimizers_;
   std::vector<Component> components_;

@@ -82,6 +82,11 @@ class GradScaler {
   // tracker is unchanged, as in PyTorch.
   void update(double new_scale);
 
+  // Whether unscale_() ran on `optimizer` since the last update(), and whether it found an inf
+  // or NaN then (for a caller that steps the optimizer itself: ZeRO's sharded step).
+  bool unscaled(const torch::optim::Optimizer& optimizer) const;
+  bool found_inf(const torch::optim::Optimizer& optimizer) const;
+
   // The current scale as a double (exactly the float32 value), or 1.0 when disabled.
   double get_scale() const;
   bool is_enabled() const { return options_.enabled(); }

@@ -105,6 +105,12 @@ class ProcessGroup {
   // Every rank's `tensor` (same shape and dtype on every rank), in rank order.
   std::vector<at::Tensor> allgather(const at::Tensor& tensor,
                                     const std::string& what = "an allgather");
+  // The sum over every rank of `input` (1-D, its length a multiple of size()), of which this
+  // rank gets only its part: elements [rank * len / size, (rank + 1) * len / size). The
+  // collective ZeRO stage 2 reduces gradients with (c10d's reduce-scatter; on LibTorch 1.13,
+  // whose gloo lacks one, an allreduce of which each rank keeps its part).
+  at::Tensor reduce_scatter(const at::Tensor& input,
+                            const std::string& what = "a reduce-scatter");
 
   // Many tensors at once, in flat buckets (up to 25 MiB of one dtype, one collective each).
   // Every rank's tensors get root's values (prepare(model): rank 0's parameters).

@@ -366,6 +366,44 @@ std::vector<at::Tensor> ProcessGroup::allgather(const at::Tensor& tensor, const 
   return output[0];
 }
 
+namespace {
+
+// gloo's reduce-scatter where LibTorch has one (2.x, which also gained the coalesced form this
+// tests for); on 1.13 an allreduce of which this rank keeps its part.
+template <typename Gloo>
+at::Tensor reduce_scatter_on(Gloo& gloo, at::Tensor& in, std::int64_t part, int rank) {
+  if constexpr (requires(Gloo& g, std::vector<at::Tensor>& v) {
+                  g.reduce_scatter_tensor_coalesced(v, v);
+                }) {
+    at::Tensor out = at::empty({part}, in.options());
+    gloo._reduce_scatter_base(out, in)->wait();
+    return out;
+  } else {
+    std::vector<at::Tensor> tensors{in.clone()};
+    gloo.allreduce(tensors)->wait();
+    return tensors[0].narrow(0, part * rank, part).clone();
+  }
+}
+
+}  // namespace
+
+at::Tensor ProcessGroup::reduce_scatter(const at::Tensor& input, const std::string& what) {
+  const std::int64_t part = input.numel() / size();
+  if (input.dim() != 1 || part * size() != input.numel()) {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("reduce_scatter() for {}: the input holds {} elements, not a "
+                            "multiple of the {} processes",
+                            what, input.numel(), size()));
+  }
+  std::uint64_t n = enter_collective();
+  at::Tensor in = input.contiguous();
+  try {
+    return reduce_scatter_on(*impl_->gloo, in, part, rank());
+  } catch (const std::exception& e) {
+    collective_failed(n, what, e);
+  }
+}
+
 std::vector<std::string> ProcessGroup::wait_for_keys(const std::vector<std::string>& keys,
                                                      const std::vector<int>& ranks,
                                                      const std::string& what) {

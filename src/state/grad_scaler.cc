@@ -129,6 +129,16 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
   return stepped;
 }
 
+bool GradScaler::unscaled(const torch::optim::Optimizer& optimizer) const {
+  auto it = per_optimizer_.find(&optimizer);
+  return it != per_optimizer_.end() && it->second.stage != Stage::kReady;
+}
+
+bool GradScaler::found_inf(const torch::optim::Optimizer& optimizer) const {
+  auto it = per_optimizer_.find(&optimizer);
+  return it != per_optimizer_.end() && it->second.found_inf;
+}
+
 void GradScaler::update() {
   if (!is_enabled()) return;
   bool checked = false;

@@ -16,6 +16,7 @@
 
 #include "checkpoint/committed.h"
 #include "compat/torch_compat.h"
+#include "dist/zero.h"
 #include "format/directory_fill.h"
 #include "format/directory_save.h"
 #include "format/shards.h"
@@ -266,6 +267,49 @@ torch::Device Accelerator::device() const {
   return torch::cuda::is_available() ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
 }
 
+void Accelerator::set_zero_stage(int stage) {
+  if (stage < 0 || stage > 2) {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("set_zero_stage({}): the stages are 0 (nothing sharded), 1 (the "
+                            "optimizer state partitioned) and 2 (the gradients too)",
+                            stage));
+  }
+  if (!optimizers_.empty()) {
+    throw Error(ErrorCode::InvalidArgument,
+                "set_zero_stage() after prepare(optimizer): choose the stage before preparing "
+                "the optimizers, which it partitions");
+  }
+  zero_stage_ = stage;
+}
+
+void Accelerator::shard(torch::optim::Optimizer& optimizer) {
+  zero_.push_back(zero_stage_ == 0 ? nullptr
+                                   : std::make_unique<detail::ZeroOptimizer>(
+                                         optimizer, group_.get(), zero_stage_));
+}
+
+detail::ZeroOptimizer* Accelerator::zero_of(const torch::optim::Optimizer& optimizer) const {
+  for (std::size_t i = 0; i < optimizers_.size(); ++i) {
+    if (optimizers_[i] == &optimizer) return zero_[i].get();
+  }
+  return nullptr;
+}
+
+std::int64_t Accelerator::optimizer_state_bytes() const {
+  std::int64_t bytes = 0;
+  for (std::size_t i = 0; i < optimizers_.size(); ++i) {
+    if (zero_[i]) {
+      bytes += zero_[i]->state_bytes();
+      continue;
+    }
+    StateDict state = optimizer_state_dict(*optimizers_[i]);
+    for (const auto& [name, t] : state.to_container().tensors) {
+      if (name.rfind("state.", 0) == 0) bytes += static_cast<std::int64_t>(t.nbytes());
+    }
+  }
+  return bytes;
+}
+
 GradScaler& Accelerator::prepare_one(GradScaler& scaler) {
   if (scaler_ != nullptr) {
     throw Error(ErrorCode::InvalidArgument, "a GradScaler is already prepared; prepare only one");
@@ -325,6 +369,13 @@ Accelerator::NoSync Accelerator::accumulate() {
 void Accelerator::average_gradients() {
   std::vector<at::Tensor> grads;
   std::unordered_set<const void*> seen;
+  // Stage 2 reduce-scatters its optimizers' gradients instead (reduce_gradients()).
+  for (std::size_t i = 0; i < optimizers_.size(); ++i) {
+    if (!zero_[i] || zero_[i]->stage() != 2) continue;
+    for (const auto& group : optimizers_[i]->param_groups()) {
+      for (const at::Tensor& p : group.params()) seen.insert(p.unsafeGetTensorImpl());
+    }
+  }
   for (const auto& model : models_) {
     for (const at::Tensor& p : model->parameters()) {
       if (!p.requires_grad() || !p.grad().defined() ||
@@ -395,6 +446,11 @@ void Accelerator::backward(const at::Tensor& loss) {
     scaled.backward();
   }
   if (group_ && !no_sync_) average_gradients();
+  if (!no_sync_) {
+    for (auto& z : zero_) {
+      if (z) z->reduce_gradients();
+    }
+  }
   unsynced_backward_ = no_sync_;
   if (scaler_ != nullptr) {
     scaled_pending_ = true;  // until optimizer_step() consumes these gradients
@@ -408,14 +464,7 @@ std::vector<bool> Accelerator::optimizer_step(
   std::vector<bool> stepped;
   if (!sync_gradients_) return std::vector<bool>(optimizers.size(), false);  // accumulating
   unsynced_backward_ = false;
-  for (torch::optim::Optimizer& optimizer : optimizers) {
-    if (scaler_ == nullptr) {
-      optimizer.step();
-      stepped.push_back(true);
-    } else {
-      stepped.push_back(scaler_->step(optimizer));
-    }
-  }
+  for (torch::optim::Optimizer& optimizer : optimizers) stepped.push_back(step_one(optimizer));
   if (scaler_ != nullptr && !stepped.empty()) {
     scaler_->update();
     scaled_pending_ = false;
@@ -425,7 +474,34 @@ std::vector<bool> Accelerator::optimizer_step(
 
 void Accelerator::unscale_gradients() {
   if (scaler_ == nullptr || !sync_gradients_) return;
-  for (torch::optim::Optimizer* optimizer : optimizers_) scaler_->unscale_(*optimizer);
+  for (std::size_t i = 0; i < optimizers_.size(); ++i) {
+    // Stage 2 holds only this process's part of the gradients, in its local optimizer.
+    torch::optim::Optimizer& holder =
+        zero_[i] && zero_[i]->stage() == 2 ? zero_[i]->local() : *optimizers_[i];
+    scaler_->unscale_(holder);
+  }
+}
+
+bool Accelerator::step_one(torch::optim::Optimizer& optimizer) {
+  detail::ZeroOptimizer* zero = zero_of(optimizer);
+  if (zero == nullptr) {
+    if (scaler_ == nullptr) {
+      optimizer.step();
+      return true;
+    }
+    return scaler_->step(optimizer);
+  }
+  if (scaler_ == nullptr || !scaler_->is_enabled()) {
+    zero->step();
+    return true;
+  }
+  // The scaler checks the gradients this process holds (stage 1: the whole ones, the same on
+  // every process; stage 2: its part) and the processes agree, so all skip or all step.
+  torch::optim::Optimizer& holder = zero->stage() == 2 ? zero->local() : optimizer;
+  if (!scaler_->unscaled(holder)) scaler_->unscale_(holder);
+  const bool inf = zero->found_inf_anywhere(scaler_->found_inf(holder));
+  if (!inf) zero->step();
+  return !inf;
 }
 
 namespace {
@@ -446,12 +522,24 @@ double Accelerator::clip_grad_norm_(const std::vector<at::Tensor>& parameters, d
                                     double norm_type) {
   check_clipping_allowed(scaler_, sync_gradients_, "clip_grad_norm_");
   unscale_gradients();
+  for (auto& z : zero_) {
+    // Stage 2: the norm over every process's part of the gradients, each part clipped.
+    if (z && z->stage() == 2) return z->clip_grad_norm(max_norm, norm_type);
+  }
   return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
 }
 
 void Accelerator::clip_grad_value_(const std::vector<at::Tensor>& parameters, double clip_value) {
   check_clipping_allowed(scaler_, sync_gradients_, "clip_grad_value_");
   unscale_gradients();
+  for (auto& z : zero_) {
+    if (!z || z->stage() != 2) continue;
+    at::NoGradGuard no_grad;
+    for (const auto& piece : z->pieces()) {
+      if (piece.view.grad().defined()) piece.view.grad().clamp_(-clip_value, clip_value);
+    }
+    return;
+  }
   torch::nn::utils::clip_grad_value_(parameters, clip_value);
 }
 
@@ -469,11 +557,8 @@ void AcceleratedOptimizerBase::zero_grad() {
 bool Accelerator::optimizer_step(torch::optim::Optimizer& optimizer) {
   if (!sync_gradients_) return false;  // accumulating: a later iteration steps
   unsynced_backward_ = false;
-  if (scaler_ == nullptr) {
-    optimizer.step();
-    return true;
-  }
-  bool stepped = scaler_->step(optimizer);
+  if (scaler_ == nullptr) return step_one(optimizer);
+  bool stepped = step_one(optimizer);
   scaler_->update();
   scaled_pending_ = false;
   return stepped;

@@ -13,6 +13,7 @@
 
 #include "checkpoint/committed.h"
 #include "compat/torch_compat.h"
+#include "dist/zero.h"
 #include "format/directory_fill.h"
 #include "format/directory_save.h"
 #include "format/shards.h"
@@ -157,8 +158,30 @@ std::vector<std::pair<std::int64_t, std::string>> Accelerator::list_checkpoints(
   return out;
 }
 
+namespace {
+
+// Under ZeRO, for the length of a save: each sharded optimizer's whole state in the user's
+// optimizer, which the save writes as an unsharded run's (a collective, on every process).
+struct GatheredZeroState {
+  explicit GatheredZeroState(const std::vector<std::unique_ptr<detail::ZeroOptimizer>>& zero)
+      : zero_(zero) {
+    for (const auto& z : zero_) {
+      if (z) z->gather_into_user();
+    }
+  }
+  ~GatheredZeroState() {
+    for (const auto& z : zero_) {
+      if (z) z->clear_user_state();
+    }
+  }
+  const std::vector<std::unique_ptr<detail::ZeroOptimizer>>& zero_;
+};
+
+}  // namespace
+
 std::string Accelerator::save_state(const std::string& output_dir, bool overwrite) {
   wait_for_checkpoint();
+  GatheredZeroState gathered(zero_);
   if (group_ && saves_per_node()) return save_state_per_node(output_dir, overwrite);
   if (group_) return save_state_distributed(output_dir, overwrite);
   return save_state_with(output_dir, overwrite, nullptr, nullptr);
@@ -169,6 +192,12 @@ SaveHandle Accelerator::save_state_async(const std::string& output_dir, bool ove
     throw Error(ErrorCode::Unsupported,
                 "save_state_async() runs on one process only for now: with several processes, "
                 "call save_state()");
+  }
+  if (zero_stage_ != 0) {
+    throw Error(ErrorCode::Unsupported,
+                "save_state_async() with ZeRO (set_zero_stage): the sharded optimizer state is "
+                "gathered for the save, which the background save cannot hold; call "
+                "save_state()");
   }
   if (save_hooks_->any_sees_models()) {
     throw Error(ErrorCode::Unsupported,
@@ -904,6 +933,10 @@ LoadStateReport Accelerator::load_state(const std::string& input_dir) {
 }
 
 void Accelerator::reset_after_load() {
+  // The optimizers' state was restored unsharded: each process keeps its part.
+  for (auto& z : zero_) {
+    if (z) z->take_from_user();
+  }
   scaled_pending_ = false;  // the parameters were just replaced; no gradient is pending
   // Every save is at a step boundary, where the accumulation count starts again.
   accumulation_count_ = 0;
