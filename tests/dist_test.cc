@@ -377,7 +377,8 @@ void seed_project(const std::string& from, const std::string& name, const std::s
 // parallel, whose reductions are the same sums (a + b). Each process holds about half the
 // optimizer state. Checkpoints of a sharded run load on any layout: stage 2's and plain's
 // step-8 checkpoints resumed on 1 process end bit-identical, stage 1's resumed on 4 processes
-// at stage 2 equals plain's resumed on 4 plain. clip_grad_norm_ at stage 2 sums the squares per
+// at stage 2 equals plain's resumed on 4 plain; a stage-2 run killed after a step or inside a
+// save and restarted by torchrun ends as plain's. clip_grad_norm_ at stage 2 sums the squares per
 // part, in another order than over whole tensors: within 1e-6 of plain.
 TEST(DistributedAccelerator, ZeroStagesStepAsPlainDataParallelAndTheirCheckpointsLoadAnywhere) {
   tt::TempDir dir;
@@ -414,6 +415,22 @@ TEST(DistributedAccelerator, ZeroStagesStepAsPlainDataParallelAndTheirCheckpoint
     EXPECT_EQ(sum, whole) << name;
   }
   EXPECT_EQ(runs["z2_norm"].logs[1].steps, runs["z2_norm"].logs[0].steps);
+
+  // SIGKILL of a rank of a stage-2 run after a step and inside a save, torchrun restarting
+  // the pair: each ends as the uninterrupted run, every committed checkpoint verified.
+  const std::map<long, std::string> steps = last_digest_by_step(plain[0]);
+  for (const std::string plan : {"kill:1:step:9", "kill:0:save:2:op:5"}) {
+    const std::string sub = d + "/killed_" + std::to_string(plan.size());
+    std::filesystem::create_directories(sub);
+    ChildRun run = run_child(sub, "log", 2, plan, 16, 1,
+                             "TORCHPOINT_TEST_ZERO=2 TORCHPOINT_TEST_CLIP=value");
+    ASSERT_EQ(run.status, 0) << plan << "\n" << run.output;
+    EXPECT_FALSE(run.logs[0].other["resumed"].empty()) << plan;
+    for (int r = 0; r < 2; ++r) EXPECT_EQ(last_digest_by_step(run.logs[r]), steps) << plan;
+    for (const std::string& name : committed(sub)) {
+      EXPECT_TRUE(tp::verify(sub + "/project/checkpoints/" + name).ok()) << plan << " " << name;
+    }
+  }
   expect_close_models(d + "/z2_norm/log.model.safetensors",
                       d + "/plain_norm/log.model.safetensors", 1e-6);
 
