@@ -204,6 +204,7 @@ int main(int argc, char** argv) {
     in_load = false;
     if (r) {
       tp::testing::append_line(log, fmt::format("resumed {} {}", r->path, r->saved_world_size));
+      tp::testing::append_line(log, fmt::format("bytes_read {}", r->bytes_read));
       for (const std::string& s : r->skipped) tp::testing::append_line(log, "skipped " + s);
     }
     auto params_digest = [&] {

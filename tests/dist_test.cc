@@ -354,6 +354,20 @@ tp::Container last_checkpoint_file(const std::string& dir, const std::string& fi
   return tp::load_file(dir + "/project/checkpoints/" + names.back() + "/" + file);
 }
 
+// Component NAME of the last committed checkpoint of DIR's project as load_directory() gives
+// it: a ZeRO-sharded optimizer whole, as one process would have saved it.
+tp::Container last_checkpoint_component(const std::string& dir, const std::string& name) {
+  std::vector<std::string> names = committed(dir);
+  EXPECT_FALSE(names.empty()) << dir;
+  if (names.empty()) return {};
+  for (const tp::Component& c :
+       tp::load_directory(dir + "/project/checkpoints/" + names.back()).components) {
+    if (c.name == name) return c.contents;
+  }
+  ADD_FAILURE() << dir << " has no component " << name;
+  return {};
+}
+
 void expect_equal_files(const tp::Container& a, const tp::Container& b, const std::string& what) {
   ASSERT_EQ(a.tensors.size(), b.tensors.size()) << what;
   for (std::size_t i = 0; i < a.tensors.size(); ++i) {
@@ -398,10 +412,34 @@ TEST(DistributedAccelerator, ZeroStagesStepAsPlainDataParallelAndTheirCheckpoint
   ASSERT_EQ(plain[0].steps.size(), 18u);
   for (const char* name : {"z1", "z2"}) {
     for (int r = 0; r < 2; ++r) EXPECT_EQ(runs[name].logs[r].steps, plain[0].steps) << name;
-    expect_equal_files(last_checkpoint_file(d + "/" + name, "optimizer.safetensors"),
-                       last_checkpoint_file(d + "/plain", "optimizer.safetensors"), name);
+    // The whole optimizer state, reassembled from the processes' shards, is plain's, down to
+    // the order of its keys.
+    const tp::Container joined = last_checkpoint_component(d + "/" + name, "optimizer");
+    const tp::Container plains = last_checkpoint_component(d + "/plain", "optimizer");
+    expect_equal_files(joined, plains, name);
+    EXPECT_EQ(joined.state, plains.state) << name;
     expect_equal_files(last_checkpoint_file(d + "/" + name, "model.safetensors"),
                        last_checkpoint_file(d + "/plain", "model.safetensors"), name);
+    // Each process wrote its own part: the optimizer's own file holds no state tensor, and
+    // the shards' tensors split plain's bytes between them, about half each.
+    EXPECT_TRUE(last_checkpoint_file(d + "/" + name, "optimizer.safetensors").tensors.empty())
+        << name;
+    auto tensor_bytes = [](const tp::Container& c) {
+      long bytes = 0;
+      for (const auto& [key, t] : c.tensors) bytes += static_cast<long>(t.nbytes());
+      return bytes;
+    };
+    const long plain_bytes = tensor_bytes(plains);
+    long shard_sum = 0;
+    for (int r = 0; r < 2; ++r) {
+      const long bytes =
+          tensor_bytes(last_checkpoint_file(d + "/" + name, fmt::format("optimizer_zero_{}.safetensors", r)));
+      EXPECT_LE(bytes, plain_bytes * 55 / 100) << name << " rank " << r;
+      shard_sum += bytes;
+      std::printf("%s: rank %d wrote %ld bytes of optimizer state of the unsharded %ld\n", name,
+                  r, bytes, plain_bytes);
+    }
+    EXPECT_EQ(shard_sum, plain_bytes) << name;
     // About half the unsharded state on each process, together all of it: the split is even
     // in parameter elements, and the amsgrad group keeps three tensors per element, the other
     // two.
@@ -415,6 +453,36 @@ TEST(DistributedAccelerator, ZeroStagesStepAsPlainDataParallelAndTheirCheckpoint
     EXPECT_EQ(sum, whole) << name;
   }
   EXPECT_EQ(runs["z2_norm"].logs[1].steps, runs["z2_norm"].logs[0].steps);
+
+  // The CLI on a sharded checkpoint: its optimizer's digest is plain's; `consolidate` writes
+  // one file of the same state; a missing shard is named by `verify`.
+  auto cli = [&](const std::string& args) {
+    const std::string out = d + "/cli.out";
+    int status = std::system(fmt::format("{} {} > {} 2>&1", TORCHPOINT_CLI, args, out).c_str());
+    return std::pair{status, tt::read_bytes(out)};
+  };
+  const std::string z2_last = d + "/z2/project/checkpoints/" + committed(d + "/z2").back();
+  const std::string plain_last =
+      d + "/plain/project/checkpoints/" + committed(d + "/plain").back();
+  auto digest = [&](const std::string& args) {
+    auto [status, out] = cli("digest " + args);
+    EXPECT_EQ(status, 0) << out;
+    return out.substr(0, out.find(' '));
+  };
+  EXPECT_EQ(digest("--component optimizer " + z2_last),
+            digest("--component optimizer " + plain_last));
+  auto [joined, joined_out] = cli(fmt::format("consolidate {} {}/z2_whole", z2_last, d));
+  EXPECT_EQ(joined, 0) << joined_out;
+  EXPECT_EQ(digest(z2_last), digest(d + "/z2_whole"));
+  EXPECT_EQ(cli("verify " + d + "/z2_whole").first, 0);
+  EXPECT_FALSE(std::filesystem::exists(d + "/z2_whole/optimizer_zero_0.safetensors"));
+  expect_equal_files(tp::load_file(d + "/z2_whole/optimizer.safetensors"),
+                     last_checkpoint_component(d + "/plain", "optimizer"), "consolidated");
+  std::filesystem::copy(z2_last, d + "/z2_missing", std::filesystem::copy_options::recursive);
+  std::filesystem::remove(d + "/z2_missing/optimizer_zero_1.safetensors");
+  auto [missing, missing_out] = cli("verify " + d + "/z2_missing");
+  EXPECT_NE(missing, 0) << missing_out;
+  EXPECT_NE(missing_out.find("optimizer_zero_1.safetensors"), std::string::npos) << missing_out;
 
   // SIGKILL of a rank of a stage-2 run after a step and inside a save, torchrun restarting
   // the pair: each ends as the uninterrupted run, every committed checkpoint verified.
@@ -452,14 +520,59 @@ TEST(DistributedAccelerator, ZeroStagesStepAsPlainDataParallelAndTheirCheckpoint
   expect_equal_files(tp::load_file(d + "/z2_on_one/log.model.safetensors"),
                      tp::load_file(d + "/plain_on_one/log.model.safetensors"), "on one process");
   ChildRun z1_on_four = resume("z1", "z1_on_four", 4, 8, 2);
+  long all_files = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(d + "/z1/project/checkpoints/checkpoint_1")) {
+    if (entry.path().filename() != "manifest.json") all_files += static_cast<long>(entry.file_size());
+  }
   ChildRun plain_on_four = resume("plain", "plain_on_four", 4, 8, 0);
   ASSERT_FALSE(plain_on_four.logs[0].steps.empty());
   for (int r = 0; r < 4; ++r) {
     EXPECT_EQ(z1_on_four.logs[r].steps, plain_on_four.logs[0].steps) << "rank " << r;
+    // Each of the four read only the shards meeting its quarter: one of the two, except rank
+    // 1 when its quarter ends past the middle. The files of the checkpoint, manifest aside,
+    // are what a process that read everything would have read.
+    const long mine = std::stol(z1_on_four.logs[r].other.at("bytes_read").at(0));
+    EXPECT_LE(mine, all_files) << "rank " << r;
+    if (r != 1) {
+      EXPECT_LT(mine, all_files) << "rank " << r;
+    }
+    std::printf("resumed on 4 at stage 2: rank %d read %ld of the checkpoint's %ld bytes\n", r,
+                mine, all_files);
   }
-  expect_equal_files(last_checkpoint_file(d + "/z1_on_four", "optimizer.safetensors"),
-                     last_checkpoint_file(d + "/plain_on_four", "optimizer.safetensors"),
+  expect_equal_files(last_checkpoint_component(d + "/z1_on_four", "optimizer"),
+                     last_checkpoint_component(d + "/plain_on_four", "optimizer"),
                      "on four processes");
+
+  // A damaged shard in the newest checkpoint: every rank passes over it alike and resumes from
+  // the one before.
+  std::filesystem::create_directories(d + "/damaged/project/checkpoints");
+  for (const std::string& name : committed(d + "/z2")) {
+    std::filesystem::copy(d + "/z2/project/checkpoints/" + name,
+                          d + "/damaged/project/checkpoints/" + name,
+                          std::filesystem::copy_options::recursive);
+  }
+  const std::vector<std::string> damaged_names = committed(d + "/damaged");
+  ASSERT_GE(damaged_names.size(), 2u);
+  {
+    const std::string shard = d + "/damaged/project/checkpoints/" + damaged_names.back() +
+                              "/optimizer_zero_1.safetensors";
+    std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(-3, std::ios::end);
+    char c = 0;
+    f.read(&c, 1);
+    f.seekp(-3, std::ios::end);
+    c = static_cast<char>(c ^ 0x5a);
+    f.write(&c, 1);
+  }
+  ChildRun damaged = run_child(d + "/damaged", "log", 2, "none", 16, 1,
+                               "TORCHPOINT_TEST_ZERO=2 TORCHPOINT_TEST_CLIP=value");
+  EXPECT_EQ(damaged.status, 0) << damaged.output;
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_FALSE(damaged.logs[r].other["resumed"].empty()) << "rank " << r;
+    EXPECT_NE(damaged.logs[r].other["resumed"][0].find(damaged_names[damaged_names.size() - 2]),
+              std::string::npos)
+        << "rank " << r << ": " << damaged.logs[r].other["resumed"][0];
+  }
 }
 
 // Gradient accumulation as Accelerate users write it: backward() of the first half of every batch

@@ -60,6 +60,12 @@ struct ExportOptions {
 };
 int run_export(const ExportOptions& options, std::ostream& out);
 
+struct ConsolidateOptions {
+  std::string path;
+  std::string output;
+};
+int run_consolidate(const ConsolidateOptions& options, std::ostream& out);
+
 struct PlotOptions {
   std::string path;
   std::string output;

@@ -154,6 +154,19 @@ int main(int argc, char** argv) {
   export_cmd->footer(
       wrap(std::string(kComponentRule) + " Only tensors are exported (JSON values are not)."));
 
+  tp::ConsolidateOptions consolidate;
+  CLI::App* consolidate_cmd = app.add_subcommand(
+      "consolidate",
+      "Write a copy of a directory checkpoint with every ZeRO-sharded optimizer state joined "
+      "into one file, as one process without ZeRO saves it");
+  consolidate_cmd->add_option("path", consolidate.path, "A directory checkpoint")->required();
+  consolidate_cmd->add_option("output", consolidate.output, "The new directory (must not exist)")
+      ->required();
+  consolidate_cmd->footer(
+      wrap("Every file is verified first; the copy has a manifest and checksums of its own and "
+           "is committed atomically. Loading needs no consolidation (load_state reshards onto "
+           "any number of processes); this is for tools and programs that want one file."));
+
   tp::PlotOptions plot;
   CLI::App* plot_cmd =
       app.add_subcommand("plot", "Draw the metric curves of a checkpoint's records");
@@ -197,7 +210,8 @@ int main(int argc, char** argv) {
   }
   if (argc > 1 && argv[1][0] != '-' && !known) {
     std::cerr << "torchpoint: unknown command '" << argv[1]
-              << "'; the commands are ls, show, verify, diff, digest, export, plot, prune "
+              << "'; the commands are ls, show, verify, diff, digest, export, consolidate, "
+                 "plot, prune "
                  "(torchpoint --help)\n";
     return tp::kExitError;
   }
@@ -218,6 +232,7 @@ int main(int argc, char** argv) {
     if (*diff_cmd) return tp::run_diff(diff, std::cout);
     if (*digest_cmd) return tp::run_digest(digest, std::cout);
     if (*export_cmd) return tp::run_export(export_options, std::cout);
+    if (*consolidate_cmd) return tp::run_consolidate(consolidate, std::cout);
     if (*plot_cmd) return tp::run_plot(plot, std::cout);
     if (*prune_cmd) return tp::run_prune(prune, std::cout);
   } catch (const torchpoint::Error& e) {

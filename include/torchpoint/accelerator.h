@@ -150,6 +150,9 @@ struct LoadStateReport {
   // The number of processes that wrote the checkpoint (1 for one written by one process; 0
   // for one written by Python Accelerate, which does not record it).
   int saved_world_size = 1;
+  // The bytes of the checkpoint's files this process read and verified (0 for one written by
+  // Python Accelerate). Under ZeRO a process reads only the shards that hold its part.
+  std::uint64_t bytes_read = 0;
   // Python-side state of a checkpoint written by Python Accelerate that has no C++ counterpart
   // and was not restored (Python's random module, NumPy's generator), one sentence each.
   std::vector<std::string> not_applicable;
@@ -758,8 +761,10 @@ class Accelerator {
   struct Loading;
   // load_state() of a directory written by Python Accelerate's save_state.
   LoadStateReport load_accelerate_state(const std::string& path, LoadStateReport report);
-  // What every load resets: no scaled gradient pending, the accumulation count restarted.
-  void reset_after_load();
+  // What every load resets: no scaled gradient pending, the accumulation count restarted; each
+  // sharded optimizer takes its part of the whole state restored, unless `zero_restored` (the
+  // load set their parts itself).
+  void reset_after_load(bool zero_restored = false);
   // With automatic naming, the next save goes after `path` and after every existing one.
   void continue_numbering_after(const std::string& path);
   // What every save checks first (a directory or automatic naming; no unconsumed scaled
@@ -772,6 +777,15 @@ class Accelerator {
   // optimizers_); and the one of a prepared optimizer, or null.
   void shard(torch::optim::Optimizer& optimizer);
   detail::ZeroOptimizer* zero_of(const torch::optim::Optimizer& optimizer) const;
+  // The sharded optimizers with their components' names (`names`: component_names()).
+  std::vector<std::pair<std::string, detail::ZeroOptimizer*>> sharded(
+      const std::vector<std::string>& names) const;
+  // What a save under ZeRO adds: the shards' names for every rank of `world`, this process's
+  // shards, and the global layouts for the manifest (null when nothing is sharded).
+  std::vector<std::string> zero_shard_names(const std::vector<std::string>& names,
+                                            int world) const;
+  std::vector<torchpoint::Component> zero_shards(const std::vector<std::string>& names) const;
+  Json zero_layouts(const std::vector<std::string>& names) const;
   // One optimizer's step (with the GradScaler, when prepared); the scaler's update is the
   // caller's.
   bool step_one(torch::optim::Optimizer& optimizer);

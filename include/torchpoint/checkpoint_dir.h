@@ -87,9 +87,20 @@ struct DirectoryCheckpoint {
 };
 
 // Loads and verifies every file of a directory checkpoint against its manifest (the extra
-// files a save hook wrote included). Throws NotFound (no such directory, or no manifest:
+// files a save hook wrote included). An optimizer that ZeRO sharded over several processes
+// comes whole, as one process without ZeRO would have saved it (its per-process shards are
+// read, verified and joined). Throws NotFound (no such directory, or no manifest:
 // uncommitted or not a checkpoint), Corruption (naming the file and tensor) or Incompatible
 // (newer major format version).
 DirectoryCheckpoint load_directory(const std::string& path, Env& env = Env::posix());
+
+// Writes at `output` (which must not exist) a directory checkpoint of the same state as the
+// one at `path` with every ZeRO-sharded optimizer whole, one file per component, as one process
+// without ZeRO saves: what DeepSpeed's zero_to_fp32.py does, with the checksums kept. Every
+// file of `path` is verified first; the files its save hooks wrote are copied. Committed as
+// save_directory() commits. Returns the number of per-process shards joined (0: `path` held
+// none, and `output` is a verified copy of it).
+std::size_t consolidate_directory(const std::string& path, const std::string& output,
+                                  Env& env = Env::posix());
 
 }  // namespace torchpoint

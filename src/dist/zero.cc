@@ -13,6 +13,7 @@
 
 #include "compat/torch_compat.h"
 #include "torchpoint/error.h"
+#include "torchpoint/optimizer_state.h"
 
 namespace torchpoint::detail {
 namespace {
@@ -357,5 +358,101 @@ void ZeroOptimizer::take_from_user() {
 }
 
 void ZeroOptimizer::clear_user_state() { user_->state().clear(); }
+
+ZeroLayout ZeroOptimizer::layout(const std::string& name) const {
+  ZeroLayout out;
+  out.optimizer = name;
+  out.stage = stage_;
+  out.world = world_;
+  out.total = total_;
+  out.part = part_;
+  std::int64_t offset = 0;
+  for (std::size_t g = 0; g < user_->param_groups().size(); ++g) {
+    const auto& params = user_->param_groups()[g].params();
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      if (!params[i].requires_grad()) continue;
+      out.params.push_back({static_cast<int>(g), static_cast<int>(i), offset,
+                            params[i].sizes().vec()});
+      offset += params[i].numel();
+    }
+  }
+  return out;
+}
+
+// The local optimizer's (group, index) of each piece, in the pieces' order: the constructor
+// opened a local group at each change of the user's group.
+static std::vector<std::pair<int, int>> local_places(
+    const std::vector<ZeroOptimizer::Piece>& pieces) {
+  std::vector<std::pair<int, int>> out;
+  int lg = -1, li = 0, last_group = -1;
+  for (const ZeroOptimizer::Piece& piece : pieces) {
+    if (piece.group != last_group) {
+      ++lg;
+      li = 0;
+      last_group = piece.group;
+    }
+    out.emplace_back(lg, li++);
+  }
+  return out;
+}
+
+StateDict ZeroOptimizer::shard_state() const {
+  StateDict local = optimizer_state_dict(*local_);
+  StateDict out;
+  out.set_description("ZeRO shard");
+  out.set("zero.rank", rank_);
+  out.set("zero.world", world_);
+  const auto places = local_places(pieces_);
+  for (std::size_t k = 0; k < pieces_.size(); ++k) {
+    const Piece& piece = pieces_[k];
+    const std::string at = fmt::format("{}.{}", piece.group, piece.index);
+    out.set("zero." + at + ".begin", piece.begin);
+    out.set("zero." + at + ".numel", piece.numel);
+    const std::string from = fmt::format("state.{}.{}", places[k].first, places[k].second);
+    if (local.has_child(from)) out.set_child("state." + at, local.child(from));
+  }
+  return out;
+}
+
+StateDict ZeroOptimizer::local_state_from(const ZeroLayout& saved,
+                                          const std::map<int, ZeroShard>& shards,
+                                          const std::string& where) const {
+  const ZeroLayout mine = layout(saved.optimizer);
+  bool same = mine.params.size() == saved.params.size() && mine.total == saved.total;
+  for (std::size_t k = 0; same && k < mine.params.size(); ++k) {
+    same = mine.params[k].group == saved.params[k].group &&
+           mine.params[k].index == saved.params[k].index &&
+           mine.params[k].shape == saved.params[k].shape;
+  }
+  if (!same) {
+    throw Error(ErrorCode::Incompatible,
+                fmt::format("{}: {} was saved sharded over {} trainable parameters ({} elements); "
+                            "the prepared optimizer has {} ({} elements) in other groups or "
+                            "shapes: prepare the same model and param groups",
+                            where, saved.optimizer, saved.params.size(), saved.total,
+                            mine.params.size(), mine.total));
+  }
+  StateDict out = optimizer_state_dict(*local_);
+  for (const std::string& key : out.keys()) {
+    if (key.starts_with("state.")) out.erase(key);
+  }
+  const auto places = local_places(pieces_);
+  std::size_t p = 0;
+  for (std::size_t k = 0; k < pieces_.size(); ++k) {
+    const Piece& piece = pieces_[k];
+    while (saved.params[p].group != piece.group || saved.params[p].index != piece.index) ++p;
+    StateDict state =
+        zero_piece_state(saved, shards, saved.params[p], piece.begin, piece.numel, where);
+    if (!state.empty()) {
+      out.set_child(fmt::format("state.{}.{}", places[k].first, places[k].second), state);
+    }
+  }
+  return out;
+}
+
+void ZeroOptimizer::set_local_state(const StateDict& state) {
+  load_optimizer_state_dict(*local_, state);
+  user_->state().clear();
+}
 
 }  // namespace torchpoint::detail

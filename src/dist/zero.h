@@ -19,11 +19,14 @@
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "format/zero_shards.h"
 #include "torchpoint/process_group.h"
+#include "torchpoint/state_dict.h"
 
 namespace torchpoint::detail {
 
@@ -64,6 +67,20 @@ class ZeroOptimizer {
   void gather_into_user();
   void take_from_user();
   void clear_user_state();
+
+  // Checkpoints written by every process (see format/zero_shards.h): the layout of this
+  // partition, with `name` the optimizer's component; this process's shard (its pieces' state,
+  // views of the live state: write it before the next step).
+  ZeroLayout layout(const std::string& name) const;
+  StateDict shard_state() const;
+  // The state of this process's pieces assembled from the shards of a checkpoint saved with
+  // `saved` (any number of processes): an optimizer state dict of the local optimizer, to give
+  // set_local_state() once everything else of a load has been checked. Throws Incompatible
+  // when `saved` partitions other parameters, Corruption for a missing or wrong shard.
+  StateDict local_state_from(const ZeroLayout& saved, const std::map<int, ZeroShard>& shards,
+                             const std::string& where) const;
+  void set_local_state(const StateDict& state);
+  int rank() const { return rank_; }
 
   // This process's state of its pieces: per field, the elements [begin, begin + n) of the
   // unsharded state tensor, keyed as optimizer_state_dict() keys them (state.<g>.<i>.<field>).

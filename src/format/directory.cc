@@ -18,6 +18,7 @@
 #include "format/directory_save.h"
 #include "format/manifest.h"
 #include "format/shards.h"
+#include "format/zero_shards.h"
 #include "io/atomic_commit.h"
 #include "io/filename.h"
 #include "torchpoint/checkpoint_dir.h"
@@ -514,6 +515,18 @@ void DirectorySave::commit(const std::vector<WrittenComponent>& files, const Che
     manifest.version_major = kShardedManifestMajor;
     manifest.version_minor = 0;
   }
+  if (info.metadata.is_object() && info.metadata.contains("zero")) {
+    try {
+      (void)detail::zero_layouts(info.metadata, path_);
+    } catch (const Error& e) {
+      throw Error(ErrorCode::InvalidArgument,
+                  fmt::format("{}: the metadata's \"zero\" entry is reserved for the layout of "
+                              "ZeRO-sharded optimizer state, and this one is not one ({})",
+                              path_, e.what()));
+    }
+    manifest.version_major = kZeroManifestMajor;
+    manifest.version_minor = 0;
+  }
   manifest.torchpoint_version = torchpoint_version();
   manifest.libtorch_version = libtorch_version();
   manifest.created_unix_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -720,7 +733,35 @@ DirectoryCheckpoint load_directory(const std::string& path, Env& env) {
     check_extra_file(env, path, f);
     out.extra_files.push_back(f.name);
   }
+  // A ZeRO-sharded optimizer is given whole, as one process would have saved it.
+  if (manifest.version_major >= kZeroManifestMajor) detail::zero_consolidate(out, path);
   return out;
+}
+
+std::size_t consolidate_directory(const std::string& path, const std::string& output,
+                                  Env& env) {
+  std::size_t shards = 0;
+  Problems throwing;
+  for (const detail::ZeroLayout& layout :
+       detail::zero_layouts(load_manifest(env, path, throwing).info.metadata,
+                                               path)) {
+    shards += static_cast<std::size_t>(layout.world);
+  }
+  DirectoryCheckpoint checkpoint = load_directory(path, env);
+  SaveDirectoryOptions options;
+  if (!checkpoint.extra_files.empty()) {
+    options.before_components = [&](const std::string& dir) {
+      for (const std::string& name : checkpoint.extra_files) {
+        const std::string bytes = env.read_file(join_path(path, name));
+        std::unique_ptr<File> file = env.open(join_path(dir, name), OpenMode::CreateExclusive);
+        file->write_all(bytes.data(), bytes.size(), 0);
+        file->sync();
+        file->close();
+      }
+    };
+  }
+  save_directory(output, checkpoint.components, checkpoint.info, env, options);
+  return shards;
 }
 
 // True when a component file's JSON state holds no values: only tensors, as a module's.
@@ -776,8 +817,9 @@ static bool fill_component(Env& env, const std::string& path, const Manifest& ma
   return true;
 }
 
-DirectoryFill load_directory_filling(const std::string& path, Env& env,
-                                     const std::map<std::string, NamedTensors>& fill) {
+DirectoryFill load_directory_filling(
+    const std::string& path, Env& env, const std::map<std::string, NamedTensors>& fill,
+    const std::function<bool(const std::string&, const CheckpointInfo&)>& skip) {
   Problems throwing;
   Manifest manifest = load_manifest(env, path, throwing);
   DirectoryFill out;
@@ -788,6 +830,10 @@ DirectoryFill load_directory_filling(const std::string& path, Env& env,
   std::unordered_set<std::string> done;
   for (const ManifestFile& f : manifest.files) {
     if (!done.insert(f.component).second) continue;  // a later shard of a component
+    if (skip && skip(f.component, manifest.info)) continue;
+    for (const ManifestFile& g : manifest.files) {
+      if (g.component == f.component) out.bytes_read += g.size;
+    }
     auto wanted = fill.find(f.component);
     if (wanted != fill.end() && fill_component(env, path, manifest, f, wanted->second, &out)) {
       out.filled.push_back(f.component);

@@ -189,10 +189,10 @@ Manifest parse_manifest(std::string_view bytes, const std::string& path, Problem
     bad(fmt::format("invalid format_version '{}'", version));
     return m;
   }
-  if (m.version_major > kShardedManifestMajor) {
+  if (m.version_major > kNewestManifestMajor) {
     problems.add(fmt::format("{} is in torchpoint format version {}, but this build reads "
                              "versions up to {}.{}: upgrade torchpoint to load it",
-                             path, version, kShardedManifestMajor, 0),
+                             path, version, kNewestManifestMajor, 0),
                  ErrorCode::Incompatible);
     return m;
   }

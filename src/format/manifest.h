@@ -29,6 +29,12 @@ struct ManifestFile {
 // Manifests that list shards are format 2.0: a reader of format 1 would take each shard for a
 // component of its own, so it must refuse them (it does, naming the version) rather than guess.
 inline constexpr int kShardedManifestMajor = 2;
+// Manifests of ZeRO-sharded optimizer state (metadata "zero", see format/zero_shards.h) are
+// format 3.0: a reader of format 2 would restore the optimizer's own component, which holds no
+// per-parameter state, and resume silently without it.
+inline constexpr int kZeroManifestMajor = 3;
+// The newest major version this build reads.
+inline constexpr int kNewestManifestMajor = kZeroManifestMajor;
 // Shard numbers have five digits in file names.
 inline constexpr int kMaxShards = 99999;
 

@@ -11,6 +11,7 @@
 #include "format/container.h"
 #include "format/dtype.h"
 #include "format/manifest.h"
+#include "format/zero_shards.h"
 #include "format/ordered_json.h"
 #include "io/filename.h"
 #include "torchpoint/checkpoint_dir.h"
@@ -224,6 +225,24 @@ std::vector<std::string> missing_rank_files(const std::string& path) {
           fmt::format("{}: written by {} processes, but the manifest lists no {} "
                       "(the RNG states of rank {})",
                       path, world, name, r));
+    }
+  }
+  // Under ZeRO, every process's shard of each sharded optimizer.
+  std::vector<detail::ZeroLayout> layouts;
+  try {
+    layouts = detail::zero_layouts(meta, path);
+  } catch (const Error& e) {
+    problems.push_back(e.what());
+  }
+  for (const detail::ZeroLayout& layout : layouts) {
+    for (int r = 0; r < layout.world; ++r) {
+      std::string name = detail::zero_shard_name(layout.optimizer, r);
+      if (!listed.count(name)) {
+        problems.push_back(fmt::format(
+            "{}: {} was sharded over {} processes (ZeRO), but the manifest lists no {} (rank "
+            "{}'s part of its state)",
+            path, layout.optimizer, layout.world, name, r));
+      }
     }
   }
   return problems;

@@ -14,6 +14,7 @@
 #include "checkpoint/committed.h"
 #include "compat/torch_compat.h"
 #include "dist/zero.h"
+#include "format/zero_shards.h"
 #include "format/directory_fill.h"
 #include "format/directory_save.h"
 #include "format/shards.h"
@@ -179,10 +180,49 @@ struct GatheredZeroState {
 
 }  // namespace
 
+std::vector<std::pair<std::string, detail::ZeroOptimizer*>> Accelerator::sharded(
+    const std::vector<std::string>& names) const {
+  std::vector<std::pair<std::string, detail::ZeroOptimizer*>> out;
+  for (std::size_t i = 0, k = 0; i < components_.size(); ++i) {
+    if (components_[i].kind != "optimizer") continue;
+    if (k < zero_.size() && zero_[k]) out.emplace_back(names[i], zero_[k].get());
+    ++k;
+  }
+  return out;
+}
+
+std::vector<std::string> Accelerator::zero_shard_names(const std::vector<std::string>& names,
+                                                       int world) const {
+  std::vector<std::string> out;
+  for (const auto& [name, zero] : sharded(names)) {
+    for (int r = 0; r < world; ++r) out.push_back(detail::zero_shard_name(name, r));
+  }
+  return out;
+}
+
+std::vector<torchpoint::Component> Accelerator::zero_shards(
+    const std::vector<std::string>& names) const {
+  std::vector<torchpoint::Component> out;
+  for (const auto& [name, zero] : sharded(names)) {
+    out.push_back({detail::zero_shard_name(name, zero->rank()), zero->shard_state().to_container()});
+  }
+  return out;
+}
+
+Json Accelerator::zero_layouts(const std::vector<std::string>& names) const {
+  Json out = Json::array();
+  for (const auto& [name, zero] : sharded(names)) out.push_back(zero->layout(name).to_json());
+  return out;
+}
+
 std::string Accelerator::save_state(const std::string& output_dir, bool overwrite) {
   wait_for_checkpoint();
-  GatheredZeroState gathered(zero_);
-  if (group_ && saves_per_node()) return save_state_per_node(output_dir, overwrite);
+  if (group_ && saves_per_node()) {
+    // Each node's checkpoint must be whole on its own: the optimizer state is gathered into
+    // every process for the save and written unsharded by each node's local main process.
+    GatheredZeroState gathered(zero_);
+    return save_state_per_node(output_dir, overwrite);
+  }
   if (group_) return save_state_distributed(output_dir, overwrite);
   return save_state_with(output_dir, overwrite, nullptr, nullptr);
 }
@@ -283,8 +323,10 @@ std::string Accelerator::save_state_with(const std::string& output_dir, bool ove
       files.push_back({stems[i], components_[i].object.state_dict().to_container()});
     }
     files.push_back({random_states_name(0), rng_.state_dict().to_container()});
+    for (auto& shard : zero_shards(stems)) files.push_back(std::move(shard));
     return files;
   };
+  if (Json layouts = zero_layouts(names); !layouts.empty()) info.metadata["zero"] = layouts;
   if (saver != nullptr) {
     // The hooks take the directory only (save_state_async checked): they run in the background
     // on a copy of the list, while the loop may register or remove some.
@@ -315,6 +357,7 @@ std::string Accelerator::save_state_with(const std::string& output_dir, bool ove
   {
     std::vector<std::string> all = names;
     all.push_back(random_states_name(0));
+    for (std::string& shard : zero_shard_names(names, 1)) all.push_back(std::move(shard));
     DirectorySave save(env_, path, all, options);
     std::optional<HookedComponents> hooked;
     if (!save_hooks_->hooks.empty()) {
@@ -322,6 +365,7 @@ std::string Accelerator::save_state_with(const std::string& output_dir, bool ove
       names = component_names();
       all = names;
       all.push_back(random_states_name(0));
+      for (std::string& shard : zero_shard_names(names, 1)) all.push_back(std::move(shard));
       save.set_component_names(all);
     }
     info.metadata["accelerator"] = {{"step", step_}, {"components", names}};
@@ -364,12 +408,16 @@ std::string Accelerator::save_state_distributed(const std::string& output_dir, b
       [&] {
         std::vector<std::string> all = names;
         for (int r = 0; r < world; ++r) all.push_back(random_states_name(r));
+        for (std::string& shard : zero_shard_names(names, world)) all.push_back(std::move(shard));
         save = std::make_unique<DirectorySave>(env_, path, all, options);
         if (!save_hooks_->hooks.empty()) {
           HookedComponents::swap_in(hooked, *this, saved);
           names = component_names();
           all = names;
           for (int r = 0; r < world; ++r) all.push_back(random_states_name(r));
+          for (std::string& shard : zero_shard_names(names, world)) {
+            all.push_back(std::move(shard));
+          }
           save->set_component_names(all);
         }
         return Json{{"dir", save->temp_path()}, {"path", path}}.dump();
@@ -396,6 +444,8 @@ std::string Accelerator::save_state_distributed(const std::string& output_dir, b
       }
     }
     mine.push_back({random_states_name(rank), rng_.state_dict().to_container()});
+    // Under ZeRO every process writes its own part of the optimizer state.
+    for (auto& shard : zero_shards(names)) mine.push_back(std::move(shard));
     // Only the main process writes the shardable components.
     LinkSource link_source(env_, rank == 0 ? options.link_from : std::string());
     for (const WrittenComponent& f : write_components(env_, dir, mine, options, &link_source)) {
@@ -424,6 +474,7 @@ std::string Accelerator::save_state_distributed(const std::string& output_dir, b
         info.metadata = {
             {"accelerator", {{"step", step_}, {"components", names}, {"world_size", world}}}};
         if (!logged_metrics_.empty()) info.metadata["metrics"] = logged_metrics_;
+        if (Json layouts = zero_layouts(names); !layouts.empty()) info.metadata["zero"] = layouts;
         save->commit(written, info);
         save.reset();  // releases the lock before retention takes it
         if (automatic) apply_total_limit(path);
@@ -659,6 +710,18 @@ struct Accelerator::Loading {
   std::string rng_file;
   std::vector<std::string> orphans;  // RNG files of ranks that no longer exist
   RestoreReport restored;
+  // A checkpoint of ZeRO-sharded optimizers: the shard components (not restored as they are),
+  // each sharded optimizer's new local state, and the whole state of each optimizer that is
+  // not sharded now, by component name.
+  std::set<std::string> shard_components;
+  std::vector<std::pair<detail::ZeroOptimizer*, StateDict>> zero_states;
+  std::map<std::string, StateDict> consolidated;
+  bool sharded_checkpoint = false;
+
+  // The shards of the checkpoint's layout `saved` this process needs: those meeting its range
+  // when its optimizer is sharded now, every one otherwise.
+  bool needs_shard(const detail::ZeroLayout& saved, int rank) const;
+  void assemble_zero();
 
   void choose(const std::string& input_dir);
   void choose_on_every_node();
@@ -784,7 +847,21 @@ void Accelerator::Loading::read() {
   }
   std::exception_ptr failure;
   try {
-    loaded = load_directory_filling(path, acc.env_, fill);
+    std::optional<std::vector<detail::ZeroLayout>> layouts;
+    auto skip = [&](const std::string& component, const CheckpointInfo& info) {
+      if (!layouts) layouts = detail::zero_layouts(info.metadata, path);
+      for (const detail::ZeroLayout& layout : *layouts) {
+        for (int r = 0; r < layout.world; ++r) {
+          if (component == detail::zero_shard_name(layout.optimizer, r)) {
+            return !needs_shard(layout, r);
+          }
+        }
+      }
+      return false;
+    };
+    loaded = load_directory_filling(path, acc.env_, fill, skip);
+    report.bytes_read = loaded.bytes_read;
+    assemble_zero();
   } catch (const std::exception&) {
     if (!acc.group_) throw;
     failure = std::current_exception();
@@ -807,6 +884,50 @@ void Accelerator::Loading::read() {
                 fmt::format("{} holds {} objects saved with register_for_checkpointing but {} are "
                             "registered now; register the same objects in the same order",
                             path, saved_custom, registered_custom));
+  }
+}
+
+bool Accelerator::Loading::needs_shard(const detail::ZeroLayout& saved, int rank) const {
+  for (const auto& [name, zero] : acc.sharded(acc.component_names())) {
+    if (name != saved.optimizer) continue;
+    const auto [lo, hi] = zero->range_of(zero->rank());
+    const std::vector<int> meeting = saved.ranks_meeting(lo, hi);
+    return std::find(meeting.begin(), meeting.end(), rank) != meeting.end();
+  }
+  return true;
+}
+
+// Before anything changes: each sharded optimizer's state for its new pieces, and the whole
+// state of an optimizer saved sharded but not sharded now (any number of processes, any stage,
+// either way).
+void Accelerator::Loading::assemble_zero() {
+  const std::vector<detail::ZeroLayout> layouts =
+      detail::zero_layouts(loaded.checkpoint.info.metadata, path);
+  sharded_checkpoint = !layouts.empty();
+  const auto now = acc.sharded(names);
+  for (const detail::ZeroLayout& layout : layouts) {
+    std::map<int, detail::ZeroShard> shards;
+    std::size_t main_index = loaded.checkpoint.components.size();
+    for (std::size_t j = 0; j < loaded.checkpoint.components.size(); ++j) {
+      const torchpoint::Component& c = loaded.checkpoint.components[j];
+      if (c.name == layout.optimizer) main_index = j;
+      for (int r = 0; r < layout.world; ++r) {
+        if (c.name != detail::zero_shard_name(layout.optimizer, r)) continue;
+        shard_components.insert(c.name);
+        shards.emplace(r, detail::ZeroShard::parse(StateDict::from_container(c.contents), layout,
+                                                   r, path));
+      }
+    }
+    auto target = std::find_if(now.begin(), now.end(),
+                               [&](const auto& z) { return z.first == layout.optimizer; });
+    if (target != now.end()) {
+      zero_states.emplace_back(target->second,
+                               target->second->local_state_from(layout, shards, path));
+    } else if (main_index < loaded.checkpoint.components.size()) {
+      consolidated[layout.optimizer] = detail::zero_consolidate(
+          layout, StateDict::from_container(loaded.checkpoint.components[main_index].contents),
+          shards, path);
+    }
   }
 }
 
@@ -844,9 +965,20 @@ void Accelerator::Loading::restore() {
       if (number && std::stoi(digits) >= acc.num_processes()) orphans.push_back(c.name);
       continue;
     }
-    all.set_child(c.name, StateDict::from_container(c.contents));
+    if (shard_components.count(c.name)) continue;  // assembled by assemble_zero()
+    auto whole = consolidated.find(c.name);
+    all.set_child(c.name, whole != consolidated.end() ? whole->second
+                                                      : StateDict::from_container(c.contents));
   }
   restored = set.restore(all);
+  // The sharded optimizers: their pieces' state from the shards, or (a checkpoint saved
+  // without sharding) their part of the whole state just restored.
+  for (auto& [zero, state] : zero_states) zero->set_local_state(state);
+  if (!sharded_checkpoint) {
+    for (auto& z : acc.zero_) {
+      if (z) z->take_from_user();
+    }
+  }
   // Last, when nothing else can fail: only an I/O error, or the files changing since they were
   // verified, can stop it, and its error says the model may hold part of the checkpoint.
   loaded.copy();
@@ -877,7 +1009,7 @@ LoadStateReport Accelerator::Loading::finish() {
     report.notes.push_back(std::move(note));
   }
   report.saved_world_size = saved_world;
-  acc.reset_after_load();
+  acc.reset_after_load(/*zero_restored=*/true);
   acc.step_ = checkpoint.info.step;
   acc.continue_numbering_after(path);
   acc.resumed_from_ = path;
@@ -932,10 +1064,12 @@ LoadStateReport Accelerator::load_state(const std::string& input_dir) {
   return loading.finish();
 }
 
-void Accelerator::reset_after_load() {
+void Accelerator::reset_after_load(bool zero_restored) {
   // The optimizers' state was restored unsharded: each process keeps its part.
-  for (auto& z : zero_) {
-    if (z) z->take_from_user();
+  if (!zero_restored) {
+    for (auto& z : zero_) {
+      if (z) z->take_from_user();
+    }
   }
   scaled_pending_ = false;  // the parameters were just replaced; no gradient is pending
   // Every save is at a step boundary, where the accumulation count starts again.

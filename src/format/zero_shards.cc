@@ -1,0 +1,279 @@
+// The layout of ZeRO-sharded optimizer state in a directory checkpoint, and its reassembly
+// onto any other range of the flat space (another number of processes, or one whole state).
+#include "format/zero_shards.h"
+
+#include <ATen/ops/zeros.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <charconv>
+
+#include "torchpoint/error.h"
+
+namespace torchpoint::detail {
+namespace {
+
+constexpr const char* kZeroKey = "zero";
+
+[[noreturn]] void corrupt(const std::string& where, const std::string& what) {
+  throw Error(ErrorCode::Corruption, fmt::format("{}: {}", where, what));
+}
+
+bool parse_int(std::string_view text, int& out) {
+  if (text.empty() || text.size() > 9) return false;
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), out);
+  return ec == std::errc() && end == text.data() + text.size() && out >= 0;
+}
+
+// "<prefix>.<g>.<i>.<rest>" -> g, i, rest.
+bool split_key(std::string_view key, std::string_view prefix, int& g, int& i,
+               std::string& rest) {
+  if (!key.starts_with(prefix) || key.size() <= prefix.size() || key[prefix.size()] != '.') {
+    return false;
+  }
+  key.remove_prefix(prefix.size() + 1);
+  const std::size_t a = key.find('.');
+  if (a == std::string_view::npos) return false;
+  const std::size_t b = key.find('.', a + 1);
+  if (b == std::string_view::npos) return false;
+  if (!parse_int(key.substr(0, a), g) || !parse_int(key.substr(a + 1, b - a - 1), i)) {
+    return false;
+  }
+  rest = std::string(key.substr(b + 1));
+  return !rest.empty();
+}
+
+}  // namespace
+
+std::string zero_shard_name(const std::string& optimizer, int rank) {
+  return fmt::format("{}_zero_{}", optimizer, rank);
+}
+
+std::int64_t ZeroLayout::Param::numel() const {
+  std::int64_t n = 1;
+  for (std::int64_t d : shape) n *= d;
+  return n;
+}
+
+std::vector<int> ZeroLayout::ranks_meeting(std::int64_t begin, std::int64_t end) const {
+  std::vector<int> out;
+  if (part <= 0 || begin >= end) return out;
+  for (std::int64_t r = begin / part; r < world && r * part < end; ++r) {
+    out.push_back(static_cast<int>(r));
+  }
+  return out;
+}
+
+Json ZeroLayout::to_json() const {
+  Json ps = Json::array();
+  for (const Param& p : params) {
+    ps.push_back({{"group", p.group}, {"index", p.index}, {"offset", p.offset}, {"shape", p.shape}});
+  }
+  Json files = Json::array();
+  for (int r = 0; r < world; ++r) files.push_back(zero_shard_name(optimizer, r));
+  return {{"optimizer", optimizer}, {"stage", stage}, {"world", world}, {"total", total},
+          {"part", part},           {"shards", files}, {"params", ps}};
+}
+
+ZeroLayout ZeroLayout::from_json(const Json& json, const std::string& where) {
+  ZeroLayout out;
+  try {
+    out.optimizer = json.at("optimizer").get<std::string>();
+    out.stage = json.at("stage").get<int>();
+    out.world = json.at("world").get<int>();
+    out.total = json.at("total").get<std::int64_t>();
+    out.part = json.at("part").get<std::int64_t>();
+    for (const Json& p : json.at("params")) {
+      out.params.push_back({p.at("group").get<int>(), p.at("index").get<int>(),
+                            p.at("offset").get<std::int64_t>(),
+                            p.at("shape").get<std::vector<std::int64_t>>()});
+    }
+  } catch (const Json::exception& e) {
+    corrupt(where, fmt::format("the ZeRO layout in the manifest is malformed ({})", e.what()));
+  }
+  if (out.world < 1 || out.total < 0 || out.part < 0 ||
+      (out.total > 0 && (out.part * out.world < out.total ||
+                         out.part != (out.total + out.world - 1) / out.world))) {
+    corrupt(where, fmt::format("the ZeRO layout of {} does not add up: {} elements over {} "
+                               "processes in parts of {}",
+                               out.optimizer, out.total, out.world, out.part));
+  }
+  std::int64_t next = 0;
+  for (const Param& p : out.params) {
+    if (p.offset != next || p.numel() < 0) {
+      corrupt(where, fmt::format("the ZeRO layout of {}: parameter {} of group {} begins at "
+                                 "element {}, where {} was expected",
+                                 out.optimizer, p.index, p.group, p.offset, next));
+    }
+    next += p.numel();
+  }
+  if (next != out.total) {
+    corrupt(where, fmt::format("the ZeRO layout of {}: its parameters hold {} elements, not {}",
+                               out.optimizer, next, out.total));
+  }
+  return out;
+}
+
+std::vector<ZeroLayout> zero_layouts(const Json& metadata, const std::string& where) {
+  std::vector<ZeroLayout> out;
+  if (!metadata.is_object() || !metadata.contains(kZeroKey)) return out;
+  const Json& all = metadata.at(kZeroKey);
+  if (!all.is_array()) corrupt(where, "the manifest's \"zero\" entry is not a list");
+  for (const Json& layout : all) out.push_back(ZeroLayout::from_json(layout, where));
+  return out;
+}
+
+ZeroShard ZeroShard::parse(const StateDict& contents, const ZeroLayout& layout, int rank,
+                           const std::string& where) {
+  const std::string name = zero_shard_name(layout.optimizer, rank);
+  if (!contents.contains("zero.rank") || !contents.contains("zero.world") ||
+      contents.get<int>("zero.rank") != rank || contents.get<int>("zero.world") != layout.world) {
+    corrupt(where, fmt::format("{} is not rank {}'s shard of {} processes", name, rank,
+                               layout.world));
+  }
+  std::map<std::pair<int, int>, const ZeroLayout::Param*> params;
+  for (const ZeroLayout::Param& p : layout.params) params[{p.group, p.index}] = &p;
+  const std::int64_t lo = std::min(layout.total, layout.part * rank);
+  const std::int64_t hi = std::min(layout.total, lo + layout.part);
+  ZeroShard out;
+  int g = 0, i = 0;
+  std::string rest;
+  for (const auto& [key, value] : contents.entries()) {
+    if (split_key(key, "zero", g, i, rest)) {
+      Piece& piece = out.pieces[{g, i}];
+      if (rest == "begin") {
+        piece.begin = contents.get<std::int64_t>(key);
+      } else if (rest == "numel") {
+        piece.numel = contents.get<std::int64_t>(key);
+      }
+    } else if (split_key(key, "state", g, i, rest)) {
+      Piece& piece = out.pieces[{g, i}];
+      if (std::holds_alternative<at::Tensor>(value)) {
+        piece.state.set(rest, std::get<at::Tensor>(value));
+      } else {
+        piece.state.set(rest, std::get<Json>(value));
+      }
+    }
+  }
+  for (const auto& [at, piece] : out.pieces) {
+    auto p = params.find(at);
+    const bool fits = p != params.end() && piece.numel > 0 && piece.begin >= 0 &&
+                      piece.begin + piece.numel <= p->second->numel() &&
+                      p->second->offset + piece.begin >= lo &&
+                      p->second->offset + piece.begin + piece.numel <= hi;
+    if (!fits) {
+      corrupt(where, fmt::format("{} holds elements [{}, {}) of parameter {} of group {}, which "
+                                 "are not in rank {}'s range [{}, {}) of its layout",
+                                 name, piece.begin, piece.begin + piece.numel, at.second,
+                                 at.first, rank, lo, hi));
+    }
+    for (const auto& [key, value] : piece.state.entries()) {
+      if (std::holds_alternative<at::Tensor>(value) &&
+          (std::get<at::Tensor>(value).dim() != 1 ||
+           std::get<at::Tensor>(value).numel() != piece.numel)) {
+        corrupt(where, fmt::format("{}: state.{}.{}.{} holds {} elements, its piece {}", name,
+                                   at.first, at.second, key, std::get<at::Tensor>(value).numel(),
+                                   piece.numel));
+      }
+    }
+  }
+  return out;
+}
+
+StateDict zero_piece_state(const ZeroLayout& layout, const std::map<int, ZeroShard>& shards,
+                           const ZeroLayout::Param& param, std::int64_t begin,
+                           std::int64_t numel, const std::string& where) {
+  struct Source {
+    const ZeroShard::Piece* piece;
+    std::int64_t from, to;  // of the requested elements, relative to `begin`
+  };
+  std::vector<Source> sources;
+  const std::int64_t lo = param.offset + begin, hi = lo + numel;
+  for (int r : layout.ranks_meeting(lo, hi)) {
+    auto shard = shards.find(r);
+    if (shard == shards.end()) {
+      corrupt(where, fmt::format("the checkpoint lacks {}, which holds elements of parameter {} "
+                                 "of group {} of {}",
+                                 zero_shard_name(layout.optimizer, r), param.index, param.group,
+                                 layout.optimizer));
+    }
+    auto piece = shard->second.pieces.find({param.group, param.index});
+    if (piece == shard->second.pieces.end()) continue;
+    const std::int64_t a = std::max(begin, piece->second.begin);
+    const std::int64_t b = std::min(begin + numel, piece->second.begin + piece->second.numel);
+    if (a < b) sources.push_back({&piece->second, a - begin, b - begin});
+  }
+  StateDict out;
+  if (sources.empty()) return out;
+  // Each field once, in the order the first piece holding it lists it.
+  for (const Source& s : sources) {
+    for (const auto& [key, value] : s.piece->state.entries()) {
+      if (std::holds_alternative<Json>(value)) {
+        const Json& v = std::get<Json>(value);
+        if (!out.contains(key)) {
+          out.set(key, v);
+        } else if (v.is_number_integer() && out.value(key).is_number_integer() &&
+                   v.get<std::int64_t>() > out.value(key).get<std::int64_t>()) {
+          out.set(key, v);
+        }
+        continue;
+      }
+      const at::Tensor& t = std::get<at::Tensor>(value);
+      if (!out.contains(key)) out.set(key, at::zeros({numel}, t.options()));
+      const at::Tensor& into = out.tensor(key);
+      into.narrow(0, s.from, s.to - s.from)
+          .copy_(t.narrow(0, begin + s.from - s.piece->begin, s.to - s.from));
+    }
+  }
+  return out;
+}
+
+StateDict zero_consolidate(const ZeroLayout& layout, const StateDict& main,
+                           const std::map<int, ZeroShard>& shards, const std::string& where) {
+  StateDict out = main;
+  for (const ZeroLayout::Param& p : layout.params) {
+    StateDict state = zero_piece_state(layout, shards, p, 0, p.numel(), where);
+    const std::string prefix = fmt::format("state.{}.{}", p.group, p.index);
+    for (const auto& [key, value] : state.entries()) {
+      if (std::holds_alternative<at::Tensor>(value)) {
+        out.set(prefix + "." + key, std::get<at::Tensor>(value).view(p.shape));
+      } else {
+        out.set(prefix + "." + key, std::get<Json>(value));
+      }
+    }
+  }
+  return out;
+}
+
+void zero_consolidate(DirectoryCheckpoint& checkpoint, const std::string& where) {
+  std::vector<ZeroLayout> layouts = zero_layouts(checkpoint.info.metadata, where);
+  if (layouts.empty()) return;
+  for (const ZeroLayout& layout : layouts) {
+    auto find = [&](const std::string& name) {
+      return std::find_if(checkpoint.components.begin(), checkpoint.components.end(),
+                          [&](const Component& c) { return c.name == name; });
+    };
+    auto main = find(layout.optimizer);
+    if (main == checkpoint.components.end()) {
+      corrupt(where, fmt::format("the ZeRO layout names {}, which the checkpoint lacks",
+                                 layout.optimizer));
+    }
+    std::map<int, ZeroShard> shards;
+    for (int r = 0; r < layout.world; ++r) {
+      auto it = find(zero_shard_name(layout.optimizer, r));
+      if (it == checkpoint.components.end()) continue;  // zero_piece_state names it if needed
+      shards.emplace(r, ZeroShard::parse(StateDict::from_container(it->contents), layout, r,
+                                         where));
+    }
+    StateDict whole = zero_consolidate(layout, StateDict::from_container(main->contents), shards,
+                                       where);
+    main->contents = whole.to_container();
+    for (int r = 0; r < layout.world; ++r) {
+      auto it = find(zero_shard_name(layout.optimizer, r));
+      if (it != checkpoint.components.end()) checkpoint.components.erase(it);
+    }
+  }
+  checkpoint.info.metadata.erase(kZeroKey);
+}
+
+}  // namespace torchpoint::detail
