@@ -40,6 +40,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
 
 #include "format/checksum.h"
@@ -198,6 +199,19 @@ int main(int argc, char** argv) {
     acc.register_load_state_pre_hook([&](tp::Accelerator::ModelList& models, const std::string&) {
       tp::testing::append_line(log, fmt::format("load_hook {}", models.size()));
     });
+
+    // TORCHPOINT_TEST_RESHARD=A,B,...: each checkpoint loaded onto this layout and saved again
+    // at once, as <project>/resaved_<k>: the test compares what was saved with what was loaded.
+    if (const char* sources = std::getenv("TORCHPOINT_TEST_RESHARD")) {
+      std::stringstream list(sources);
+      std::string source;
+      for (int k = 0; std::getline(list, source, ','); ++k) {
+        tp::LoadStateReport loaded = acc.load_state(source);
+        tp::testing::append_line(log, fmt::format("reshard_read {} {}", k, loaded.bytes_read));
+        acc.save_state(fmt::format("{}/resaved_{}", project, k));
+      }
+      return 0;
+    }
 
     in_load = true;
     std::optional<tp::LoadStateReport> r = acc.try_load_state();

@@ -575,6 +575,74 @@ TEST(DistributedAccelerator, ZeroStagesStepAsPlainDataParallelAndTheirCheckpoint
   }
 }
 
+// The reshard matrix: a checkpoint saved on 1, 2 and 4 processes, each without sharding and at
+// ZeRO stages 1 and 2 (AdamW, two param groups, amsgrad in one, after 4 steps of which the
+// GradScaler skipped one), loaded onto every one of those nine layouts and saved again at once:
+// the model, the whole optimizer state, the scheduler, the scaler and the registered counters
+// come out bit for bit as they went in, every time. Each sharded process reads only the shards
+// meeting its range.
+TEST(DistributedAccelerator, ZeroCheckpointsReshardOntoEveryLayout) {
+  tt::TempDir dir;
+  const std::string d = dir.path();
+  const std::vector<std::pair<int, int>> layouts = {{1, 0}, {1, 1}, {1, 2}, {2, 0}, {2, 1},
+                                                    {2, 2}, {4, 0}, {4, 1}, {4, 2}};
+  auto name_of = [](std::pair<int, int> l) { return fmt::format("w{}_s{}", l.first, l.second); };
+  auto processes = [](int world) { return world == 1 ? 0 : world; };
+  std::string sources;
+  for (const auto& layout : layouts) {
+    const std::string sub = d + "/" + name_of(layout);
+    std::filesystem::create_directories(sub);
+    ChildRun run = run_child(sub, "log", processes(layout.first), "stop:step:4",
+                             32 / layout.first, 1,
+                             fmt::format("TORCHPOINT_TEST_ZERO={} TORCHPOINT_TEST_CLIP=value",
+                                         layout.second));
+    ASSERT_EQ(run.status, 0) << name_of(layout) << "\n" << run.output;
+    ASSERT_EQ(committed(sub).size(), 1u) << name_of(layout);
+    sources += (sources.empty() ? "" : ",") + sub + "/project/checkpoints/" + committed(sub)[0];
+  }
+  auto components = [](const std::string& path) {
+    std::map<std::string, tp::Container> out;
+    for (tp::Component& c : tp::load_directory(path).components) {
+      if (c.name == "model" || c.name == "optimizer" || c.name == "scheduler" ||
+          c.name == "scaler" || c.name == "custom_checkpoint_0") {
+        out[c.name] = std::move(c.contents);
+      }
+    }
+    EXPECT_EQ(out.size(), 5u) << path;
+    return out;
+  };
+  std::vector<std::map<std::string, tp::Container>> saved;
+  for (const auto& layout : layouts) {
+    const std::string sub = d + "/" + name_of(layout);
+    saved.push_back(components(sub + "/project/checkpoints/" + committed(sub)[0]));
+  }
+  std::string table = "bytes read per rank (most of any rank), source -> target:\n";
+  for (const auto& target : layouts) {
+    const std::string sub = d + "/to_" + name_of(target);
+    std::filesystem::create_directories(sub);
+    ChildRun run = run_child(
+        sub, "log", processes(target.first), "none", 32 / target.first, 1,
+        fmt::format("TORCHPOINT_TEST_ZERO={} TORCHPOINT_TEST_RESHARD={}", target.second, sources));
+    ASSERT_EQ(run.status, 0) << name_of(target) << "\n" << run.output;
+    for (std::size_t k = 0; k < layouts.size(); ++k) {
+      const std::string what = name_of(layouts[k]) + " -> " + name_of(target);
+      auto again = components(fmt::format("{}/project/resaved_{}", sub, k));
+      for (const auto& [name, contents] : saved[k]) {
+        expect_equal_files(again[name], contents, what + " " + name);
+        EXPECT_EQ(again[name].state, contents.state) << what << " " << name;
+      }
+      long most = 0;
+      for (const RankLog& log : run.logs) {
+        ASSERT_GT(log.other.count("reshard_read"), 0u) << what;
+        const std::string& line = log.other.at("reshard_read").at(k);
+        most = std::max(most, std::stol(line.substr(line.find(' ') + 1)));
+      }
+      table += fmt::format("  {}: {}\n", what, most);
+    }
+  }
+  std::printf("%s", table.c_str());
+}
+
 // Gradient accumulation as Accelerate users write it: backward() of the first half of every batch
 // under no_sync() (no collective), then of the second half (one averaging). Ends where the plain
 // run on the same global batches ends, and enters exactly as many collectives as it.
