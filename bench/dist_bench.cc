@@ -15,6 +15,7 @@
 // processes doing the same work at once cost the machine, with no coordination.
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -48,6 +49,8 @@ struct Options {
   bool json = false;
   bool hot = false;          // loads from the page cache, not the disk
   bool independent = false;  // each process saves and loads alone, at the same time
+  int zero_stage = 0;        // Accelerator::set_zero_stage
+  std::string load_from;     // only cold loads of this checkpoint (saved by another run)
 };
 
 Options parse(int argc, char** argv) {
@@ -71,6 +74,10 @@ Options parse(int argc, char** argv) {
       o.hot = true;
     } else if (arg == "--json") {
       o.json = true;
+    } else if (arg == "--zero-stage") {
+      o.zero_stage = std::stoi(value());
+    } else if (arg == "--load-from") {
+      o.load_from = value();
     } else {
       throw std::invalid_argument("unknown argument '" + arg + "'");
     }
@@ -131,6 +138,23 @@ void remove_older_checkpoints(const fs::path& checkpoints, const std::string& ne
   }
 }
 
+// The values of every process, in rank order (one value when alone).
+std::vector<std::uint64_t> per_rank(tp::ProcessGroup* group, std::uint64_t mine) {
+  if (group == nullptr) return {mine};
+  std::vector<std::uint64_t> out;
+  for (const at::Tensor& t :
+       group->allgather(torch::tensor({static_cast<std::int64_t>(mine)}, torch::kInt64))) {
+    out.push_back(static_cast<std::uint64_t>(t.item<std::int64_t>()));
+  }
+  return out;
+}
+
+// Element-wise maximum over the repetitions of each rank's value.
+void keep_max(std::vector<std::uint64_t>& into, const std::vector<std::uint64_t>& values) {
+  if (into.empty()) into.assign(values.size(), 0);
+  for (std::size_t i = 0; i < values.size(); ++i) into[i] = std::max(into[i], values[i]);
+}
+
 int run(const Options& o) {
   // The processes timed together: torchrun's (null when alone). With --independent, each of them
   // saves and loads alone, through an Accelerator of its own in a directory of its own.
@@ -142,32 +166,60 @@ int run(const Options& o) {
       tp::ProjectConfiguration().project_dir(dir).automatic_checkpoint_naming(true),
       tp::Env::posix(), o.independent ? nullptr : group);
   const bool owner = accelerator.is_main_process();  // empties, prunes and evicts `dir`
-  if (owner) fs::remove_all(fs::path(dir) / "checkpoints");
+  if (owner && o.load_from.empty()) fs::remove_all(fs::path(dir) / "checkpoints");
   if (group) group->barrier("the benchmark's start");
 
   torch::manual_seed(0);
   tp::bench::S2Model s2 = tp::bench::make_s2_model(o.quick);
+  accelerator.set_zero_stage(o.zero_stage);
   auto [model, optimizer] = accelerator.prepare(s2.model, *s2.adam);
   (void)model;
-  (void)optimizer;
-
-  // One untimed save first: the first write of a process pays for faulting in its buffers.
-  std::string newest = accelerator.save_state();
-  std::vector<double> save_seconds, load_seconds;
-  for (int rep = 0; rep < o.reps; ++rep) {
-    if (owner) remove_older_checkpoints(fs::path(dir) / "checkpoints", newest);
-    save_seconds.push_back(timed(group.get(), [&] { newest = accelerator.save_state(); }));
-    if (owner) {
-      remove_older_checkpoints(fs::path(dir) / "checkpoints", newest);
-      if (!o.hot) evict(newest);
+  if (o.zero_stage != 0) {
+    // ZeRO keeps its own state, which make_s2_model's steps did not reach: three steps of
+    // random gradients (the same on every process) through the Accelerator, as training takes.
+    for (int step = 0; step < 3; ++step) {
+      optimizer.zero_grad();
+      at::Tensor loss = torch::zeros({});
+      for (const at::Tensor& p : s2.model->parameters()) {
+        loss = loss + (p * torch::randn_like(p)).sum();
+      }
+      accelerator.backward(loss);
+      optimizer.step();
     }
-    load_seconds.push_back(timed(group.get(), [&] { accelerator.load_state(newest); }));
+  }
+  tp::ProcessGroup* timing = o.independent ? nullptr : group.get();
+  auto store_requests = [&] { return group ? group->store_requests() : std::uint64_t{0}; };
+
+  std::vector<double> save_seconds, load_seconds;
+  std::vector<std::uint64_t> written, read, save_messages, load_messages;
+  std::string newest = o.load_from;
+  int saved_processes = 0;
+  if (o.load_from.empty()) {
+    // One untimed save first: the first write of a process pays for faulting in its buffers.
+    newest = accelerator.save_state();
+  }
+  for (int rep = 0; rep < o.reps; ++rep) {
+    if (o.load_from.empty()) {
+      if (owner) remove_older_checkpoints(fs::path(dir) / "checkpoints", newest);
+      const std::uint64_t before = store_requests();
+      save_seconds.push_back(timed(group.get(), [&] { newest = accelerator.save_state(); }));
+      keep_max(save_messages, per_rank(timing, store_requests() - before));
+      keep_max(written, per_rank(timing, accelerator.last_save_bytes_written()));
+      if (owner) remove_older_checkpoints(fs::path(dir) / "checkpoints", newest);
+    }
+    if (owner && !o.hot) evict(newest);
+    tp::LoadStateReport report;
+    const std::uint64_t before = store_requests();
+    load_seconds.push_back(timed(group.get(), [&] { report = accelerator.load_state(newest); }));
+    keep_max(load_messages, per_rank(timing, store_requests() - before));
+    keep_max(read, per_rank(timing, report.bytes_read));
+    saved_processes = report.saved_world_size;
   }
   // The machine's share of the work: every process copies as many bytes as the checkpoint holds,
   // at the same time, between the same barriers; on one process this is the copy a load must at
   // least make, and how it grows with the processes is what the memory allows them together.
   std::vector<double> memcpy_seconds;
-  {
+  if (o.load_from.empty()) {
     const std::size_t n = static_cast<std::size_t>(directory_bytes(newest));
     std::vector<std::uint8_t> from(n, 1), to(n, 0);  // both faulted in before timing
     for (int rep = 0; rep < o.reps; ++rep) {
@@ -178,33 +230,48 @@ int run(const Options& o) {
   if (rank != 0) return 0;
 
   const std::uint64_t bytes = directory_bytes(newest);
+  const std::string system = o.independent ? "independent" : "torchpoint";
   if (o.json) {
-    for (const auto& [op, seconds] :
-         {std::pair{"accelerator_save", &save_seconds},
-          std::pair{"accelerator_load", &load_seconds}, std::pair{"memcpy", &memcpy_seconds}}) {
-      nlohmann::json line = {{"state", "S2"},
-                             {"op", op},
-                             {"system", std::string(op) == "memcpy" ? "memcpy"
-                                        : o.independent             ? "independent"
-                                                                    : "torchpoint"},
-                             {"processes", processes},
-                             {"seconds", median(*seconds)},
-                             {"bytes", bytes},
-                             {"reps", o.reps},
-                             {"cache", o.hot ? "hot" : "cold"}};
-      std::printf("%s\n", line.dump().c_str());
-    }
+    auto line = [&](const std::string& op, const std::vector<double>& seconds) {
+      nlohmann::json out = {{"state", "S2"},
+                            {"op", op},
+                            {"system", op == "memcpy" ? "memcpy" : system},
+                            {"processes", processes},
+                            {"stage", o.zero_stage},
+                            {"seconds", median(seconds)},
+                            {"bytes", bytes},
+                            {"reps", o.reps},
+                            {"cache", o.hot ? "hot" : "cold"}};
+      if (op == "accelerator_save") {
+        out["bytes_written_per_rank"] = written;
+        out["store_messages"] = save_messages;
+      } else if (op == "accelerator_load") {
+        out["bytes_read_per_rank"] = read;
+        out["store_messages"] = load_messages;
+        out["saved_processes"] = saved_processes;
+      }
+      std::printf("%s\n", out.dump().c_str());
+    };
+    if (!save_seconds.empty()) line("accelerator_save", save_seconds);
+    line("accelerator_load", load_seconds);
+    if (!memcpy_seconds.empty()) line("memcpy", memcpy_seconds);
   } else {
     fmt::print("S2: {}\n", s2.description);
-    fmt::print("{} process(es){}, {} reps, checkpoint of {:.1f} MiB\n", processes,
-               o.independent ? " each saving and loading alone" : "", o.reps,
+    fmt::print("{} process(es){}, ZeRO stage {}, {} reps, checkpoint of {:.1f} MiB\n", processes,
+               o.independent ? " each saving and loading alone" : "", o.zero_stage, o.reps,
                static_cast<double>(bytes) / (1024.0 * 1024.0));
-    fmt::print("save_state  median {:.3f} s ({:.0f} MB/s)\n", median(save_seconds),
-               static_cast<double>(bytes) / median(save_seconds) / 1e6);
-    fmt::print("load_state  median {:.3f} s ({}, {:.0f} MB/s)\n", median(load_seconds),
-               o.hot ? "hot" : "cold", static_cast<double>(bytes) / median(load_seconds) / 1e6);
-    fmt::print("memcpy      median {:.3f} s (the same bytes, in every process at once)\n",
-               median(memcpy_seconds));
+    if (!save_seconds.empty()) {
+      fmt::print("save_state  median {:.3f} s ({:.0f} MB/s), bytes written per rank {}\n",
+                 median(save_seconds), static_cast<double>(bytes) / median(save_seconds) / 1e6,
+                 fmt::join(written, " "));
+    }
+    fmt::print("load_state  median {:.3f} s ({}, {:.0f} MB/s), bytes read per rank {}\n",
+               median(load_seconds), o.hot ? "hot" : "cold",
+               static_cast<double>(bytes) / median(load_seconds) / 1e6, fmt::join(read, " "));
+    if (!memcpy_seconds.empty()) {
+      fmt::print("memcpy      median {:.3f} s (the same bytes, in every process at once)\n",
+                 median(memcpy_seconds));
+    }
   }
   std::fflush(stdout);
   return 0;
@@ -219,7 +286,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "torchpoint_dist_bench: %s\n", e.what());
     std::fprintf(stderr,
                  "usage: torchpoint_dist_bench --dir PATH [--reps N] [--hot] [--quick] [--json] "
-                 "[--system NAME]\n");
+                 "[--independent] [--zero-stage S] [--load-from CHECKPOINT]\n");
     return 1;
   }
 }

@@ -288,6 +288,8 @@ int main(int argc, char** argv) {
                            std::chrono::duration<double>(std::chrono::steady_clock::now() -
                                                          save_start)
                                .count()));
+              tp::testing::append_line(
+                  log, fmt::format("save_bytes {} {}", saves, acc.last_save_bytes_written()));
             }
           } catch (const tp::Error& e) {
             if (plan.rfind("fail:", 0) != 0) throw;

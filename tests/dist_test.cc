@@ -418,8 +418,37 @@ TEST(DistributedAccelerator, ZeroStagesStepAsPlainDataParallelAndTheirCheckpoint
     const tp::Container plains = last_checkpoint_component(d + "/plain", "optimizer");
     expect_equal_files(joined, plains, name);
     EXPECT_EQ(joined.state, plains.state) << name;
-    expect_equal_files(last_checkpoint_file(d + "/" + name, "model.safetensors"),
+    expect_equal_files(last_checkpoint_component(d + "/" + name, "model"),
                        last_checkpoint_file(d + "/plain", "model.safetensors"), name);
+    // The model, the same on both processes, was written by both (the save hooks, which see
+    // the models on every process, left them): split into shards, with their index, that each
+    // wrote about half of, where plain's main process writes it whole. What the processes
+    // wrote together is the checkpoint, manifest and hook files aside.
+    const std::string last = d + "/" + name + "/project/checkpoints/" + committed(d + "/" + name).back();
+    long model_shards = 0, files_bytes = 0;
+    for (const auto& entry : std::filesystem::directory_iterator(last)) {
+      const std::string file = entry.path().filename().string();
+      if (file.rfind("model-", 0) == 0) ++model_shards;
+      // The save hooks' own files are theirs, not the save's.
+      if (file != "manifest.json" && file.rfind("hook_", 0) != 0) {
+        files_bytes += static_cast<long>(entry.file_size());
+      }
+    }
+    EXPECT_GE(model_shards, 2) << name;
+    EXPECT_TRUE(std::filesystem::exists(last + "/model.safetensors.index.json")) << name;
+    EXPECT_FALSE(std::filesystem::exists(last + "/model.safetensors")) << name;
+    const auto& saved = runs[name].logs;
+    const long save_number = static_cast<long>(saved[0].other.at("save_bytes").size());
+    long written_sum = 0;
+    for (int r = 0; r < 2; ++r) {
+      const std::string line = saved[r].other.at("save_bytes").back();
+      const long written = std::stol(line.substr(line.find(' ') + 1));
+      EXPECT_LE(written, files_bytes * 60 / 100) << name << " rank " << r << " of " << files_bytes;
+      written_sum += written;
+      std::printf("%s: save %ld: rank %d wrote %ld of the checkpoint's %ld bytes\n", name,
+                  save_number, r, written, files_bytes);
+    }
+    EXPECT_EQ(written_sum, files_bytes) << name;
     // Each process wrote its own part: the optimizer's own file holds no state tensor, and
     // the shards' tensors split plain's bytes between them, about half each.
     EXPECT_TRUE(last_checkpoint_file(d + "/" + name, "optimizer.safetensors").tensors.empty())
@@ -669,61 +698,80 @@ TEST(DistributedAccelerator, NoSyncAccumulatesLocallyAndAveragesOnce) {
                       dir.path() + "/one/log.model.safetensors", 1e-6);
 }
 
-// SIGKILL of one process at 24 seeded random moments (after a step, or before a file-system call
-// inside a save, on either rank); torchrun restarts the pair; each run ends bit-identical to the
-// uninterrupted run, no committed checkpoint ever lacks a file, and `torchpoint verify` accepts
-// every committed one.
+// SIGKILL of one process at 26 seeded random moments (after a step, or before a file-system call
+// inside a save, on either rank), 22 of them in a run at ZeRO stage 2 (where every rank writes
+// its shard of the optimizer state and part of the model) and 4 in plain data parallel;
+// torchrun restarts the pair; each run ends bit-identical to the uninterrupted run of its kind,
+// and `torchpoint verify` accepts every committed checkpoint (none lacks a rank's file).
 TEST(DistributedAccelerator, KilledAtSeededRandomMomentsResumesBitIdentically) {
   tt::TempDir dir;
-  ChildRun reference = run_child(dir.path(), "reference", 2, "none");
-  ASSERT_EQ(reference.status, 0) << reference.output;
-  const std::map<long, std::string> steps = last_digest_by_step(reference.logs[0]);
-  // File-system calls of each save on each rank, to aim kills inside them.
-  std::vector<std::vector<long>> ops(2);
-  for (int r = 0; r < 2; ++r) {
-    for (const std::string& line : reference.logs[r].other.at("save_ops")) {
-      ops[r].push_back(std::stol(line.substr(line.find(' ') + 1)));
+  struct Kind {
+    std::string env;
+    ChildRun reference;
+    std::map<long, std::string> steps;
+    std::vector<std::vector<long>> ops;  // file-system calls of each save on each rank
+  };
+  std::map<std::string, Kind> kinds;
+  kinds["plain"].env = "";
+  kinds["zero2"].env = "TORCHPOINT_TEST_ZERO=2 TORCHPOINT_TEST_CLIP=value";
+  for (auto& [name, kind] : kinds) {
+    std::filesystem::create_directories(dir.path() + "/" + name);
+    kind.reference = run_child(dir.path() + "/" + name, "reference", 2, "none", 16, 1, kind.env);
+    ASSERT_EQ(kind.reference.status, 0) << name << "\n" << kind.reference.output;
+    kind.steps = last_digest_by_step(kind.reference.logs[0]);
+    kind.ops.resize(2);
+    for (int r = 0; r < 2; ++r) {
+      for (const std::string& line : kind.reference.logs[r].other.at("save_ops")) {
+        kind.ops[r].push_back(std::stol(line.substr(line.find(' ') + 1)));
+      }
+      ASSERT_EQ(kind.ops[r].size(), 4u) << name;
     }
-    ASSERT_EQ(ops[r].size(), 4u);
   }
 
   std::mt19937 rng(20261201);
-  int inside_saves = 0;
-  for (int i = 0; i < 24; ++i) {
+  int inside_saves = 0, zero_runs = 0, zero_inside_saves = 0;
+  for (int i = 0; i < 26; ++i) {
+    const std::string name = i % 7 == 0 ? "plain" : "zero2";
+    Kind& kind = kinds.at(name);
     const int rank = static_cast<int>(rng() % 2);
     std::string plan;
     if (i % 2 == 0) {
       plan = fmt::format("kill:{}:step:{}", rank, 1 + rng() % 17);
     } else {
       const long save = 1 + static_cast<long>(rng() % 4);
-      const long op = 1 + static_cast<long>(rng() % ops[rank][save - 1]);
+      const long op = 1 + static_cast<long>(rng() % kind.ops[rank][save - 1]);
       plan = fmt::format("kill:{}:save:{}:op:{}", rank, save, op);
       ++inside_saves;
+      zero_inside_saves += name == "zero2";
     }
-    SCOPED_TRACE(plan);
+    zero_runs += name == "zero2";
+    SCOPED_TRACE(name + " " + plan);
     std::string sub = dir.path() + "/" + std::to_string(i);
     std::filesystem::create_directories(sub);
-    ChildRun run = run_child(sub, "log", 2, plan);
+    ChildRun run = run_child(sub, "log", 2, plan, 16, 1, kind.env);
     ASSERT_EQ(run.status, 0) << run.output;
     // Killed once, restarted once: rank 0 checked the checkpoints twice and found none torn.
     EXPECT_EQ(run.logs[0].other["checked"].size(), 2u);
     EXPECT_TRUE(run.logs[0].other["bad"].empty()) << run.logs[0].other["bad"][0];
     for (int r = 0; r < 2; ++r) {
       for (const auto& [step, digest] : run.logs[r].steps) {
-        EXPECT_EQ(digest, steps.at(step)) << "rank " << r << " step " << step;
+        EXPECT_EQ(digest, kind.steps.at(step)) << "rank " << r << " step " << step;
       }
-      EXPECT_EQ(last_digest_by_step(run.logs[r]), steps);
-      EXPECT_EQ(run.logs[r].other["final"], reference.logs[r].other["final"]) << "rank " << r;
+      EXPECT_EQ(last_digest_by_step(run.logs[r]), kind.steps);
+      EXPECT_EQ(run.logs[r].other["final"], kind.reference.logs[r].other["final"])
+          << "rank " << r;
     }
-    for (const std::string& name : committed(sub)) {
-      std::string path = sub + "/project/checkpoints/" + name;
+    for (const std::string& checkpoint : committed(sub)) {
+      std::string path = sub + "/project/checkpoints/" + checkpoint;
       std::string out = sub + "/verify.out";
       int status =
           std::system(fmt::format("{} verify {} > {} 2>&1", TORCHPOINT_CLI, path, out).c_str());
       EXPECT_EQ(status, 0) << tt::read_bytes(out);
     }
   }
-  EXPECT_EQ(inside_saves, 12);
+  EXPECT_EQ(inside_saves, 13);
+  EXPECT_EQ(zero_runs, 22);
+  EXPECT_EQ(zero_inside_saves, 11);
 }
 
 // A write that fails on one rank only (ENOSPC from the fault-injecting Env) makes save_state()

@@ -251,9 +251,11 @@ class Accelerator {
   // prepare(optimizer); on one process it runs the same code with one part. Throws
   // InvalidArgument for another stage or after an optimizer was prepared; prepare(optimizer)
   // throws Unsupported for another optimizer.
-  // Checkpoints hold the optimizer state unsharded, as an unsharded run writes it: gathered at
-  // save_state() and each process's part taken at load_state(), so a checkpoint loads on any
-  // number of processes at any stage.
+  // Checkpoints are written by every process, nothing gathered: each its own part of the
+  // optimizer state (<optimizer>_zero_<rank>) and about 1/N of the models' bytes (the models
+  // split into shards dealt to the processes), with the global layout in the manifest; a load on
+  // any number of processes at any stage reads the parts it needs (format 3.0, docs/format.md).
+  // save_on_each_node gathers the state instead, so that each node's copy stands alone.
   //
   // Example:
   //   torchpoint::Accelerator acc;
@@ -466,6 +468,10 @@ class Accelerator {
   // asynchronous save leaves its number unused. One process only for now: with several it throws
   // Unsupported (use save_state()).
   SaveHandle save_state_async(const std::string& output_dir = "", bool overwrite = false);
+  // The bytes of checkpoint files this process wrote in its last save_state() (files hard-linked
+  // from an earlier checkpoint count nothing); 0 before the first. Under ZeRO about 1/N of the
+  // checkpoint on each of N processes, else the main process writes the shared components.
+  std::uint64_t last_save_bytes_written() const { return last_save_bytes_written_; }
   // Blocks until the asynchronous save in flight (if any) has committed; throws its error unless
   // it was already received. The destructor waits too, but never throws (it prints the error).
   void wait_for_checkpoint();
@@ -829,6 +835,7 @@ class Accelerator {
   std::string resumed_from_;
   // The checkpoint this Accelerator last saved or loaded: what an incremental save links from.
   std::string last_checkpoint_;
+  std::uint64_t last_save_bytes_written_ = 0;
   // The first checkpoint number this run writes after load_state(): checkpoints numbered
   // between resumed_from_'s and this one were there before and are kept by retention.
   std::int64_t first_own_number_ = 0;

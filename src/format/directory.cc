@@ -376,6 +376,42 @@ void plan_files(const Component& component, const SaveDirectoryOptions& options,
   indexes.push_back(std::move(index));
 }
 
+std::uint64_t task_bytes(const FileTask& task) {
+  std::uint64_t bytes = 0;
+  for (const auto& [name, tensor] : task.contents().tensors) {
+    bytes += static_cast<std::uint64_t>(tensor.numel()) *
+             static_cast<std::uint64_t>(tensor.element_size());
+  }
+  return bytes;
+}
+
+// The tasks dealt to `part` out of the same plan on every writer (see WriterPart).
+std::vector<FileTask> tasks_of_part(std::vector<FileTask> tasks, WriterPart part) {
+  std::vector<std::size_t> order(tasks.size());
+  std::vector<std::uint64_t> bytes(tasks.size());
+  for (std::size_t i = 0; i < tasks.size(); ++i) {
+    order[i] = i;
+    bytes[i] = task_bytes(tasks[i]);
+  }
+  std::stable_sort(order.begin(), order.end(),
+                   [&](std::size_t a, std::size_t b) { return bytes[a] > bytes[b]; });
+  std::vector<std::uint64_t> load(static_cast<std::size_t>(part.count), 0);
+  std::vector<bool> mine(tasks.size(), false);
+  for (std::size_t i : order) {
+    std::size_t least = load.size() - 1;
+    for (std::size_t p = load.size(); p-- > 0;) {
+      if (load[p] < load[least]) least = p;
+    }
+    load[least] += bytes[i];
+    mine[i] = least == static_cast<std::size_t>(part.index);
+  }
+  std::vector<FileTask> out;
+  for (std::size_t i = 0; i < tasks.size(); ++i) {
+    if (mine[i]) out.push_back(std::move(tasks[i]));
+  }
+  return out;
+}
+
 WrittenComponent write_index(Env& env, const std::string& dir, const PlannedIndex& planned) {
   std::string text = shard_index_text(planned.weight_map, planned.total_size);
   WrittenComponent index;
@@ -396,11 +432,21 @@ WrittenComponent write_index(Env& env, const std::string& dir, const PlannedInde
 std::vector<WrittenComponent> write_components(Env& env, const std::string& dir,
                                                const std::vector<Component>& components,
                                                const SaveDirectoryOptions& options,
-                                               const LinkSource* link_source) {
+                                               const LinkSource* link_source, WriterPart part) {
+  if (part.count < 1 || part.index < 0 || part.index >= part.count) {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("write_components(): part {} of {} does not exist", part.index,
+                            part.count));
+  }
   std::vector<FileTask> tasks;
   std::vector<PlannedIndex> indexes;
   for (const Component& c : components) plan_files(c, options, tasks, indexes);
-  if (indexes.empty()) {
+  const bool sharded = !indexes.empty();
+  if (part.count > 1) {
+    tasks = tasks_of_part(std::move(tasks), part);
+    if (part.index != 0) indexes.clear();
+  }
+  if (!sharded) {
     // Nothing sharded: one file after the other on this thread, as they were before shards.
     for (FileTask& task : tasks) write_file(env, dir, task);
   } else {

@@ -45,10 +45,22 @@ class LinkSource;
 // others write the rest. Returns the files in component order, shards in order, then the
 // indexes. Any writer. On failure the files already written stay in `dir` (the caller's
 // temporary directory, removed as a whole).
+//
+// With `part` (index, count > 1), the writers of one checkpoint that all hold the same
+// `components` (a replicated model on every rank) share their files: each plans every file the
+// same way from the tensors' names, shapes and dtypes alone, then writes only the files dealt
+// to `part.index` (the largest first, each to the part with the fewest bytes so far, a tie to
+// the highest index, so part 0, which writes the indexes and usually commits, gets the least).
+// The union over the parts is what one writer would have written.
+struct WriterPart {
+  int index = 0;
+  int count = 1;
+};
 std::vector<WrittenComponent> write_components(Env& env, const std::string& dir,
                                                const std::vector<Component>& components,
                                                const SaveDirectoryOptions& options = {},
-                                               const LinkSource* link_source = nullptr);
+                                               const LinkSource* link_source = nullptr,
+                                               WriterPart part = {});
 
 class DirectorySave {
  public:

@@ -10,6 +10,8 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <tuple>
+#include <unordered_map>
 
 #include "checkpoint/committed.h"
 #include "compat/torch_compat.h"
@@ -91,13 +93,15 @@ struct Accelerator::HookedComponents {
   // processes run the save hooks there too, as Accelerate does on every process, then the
   // writers (`save` non-null) list the files all the hooks wrote. Every process throws when any
   // failed.
+  // With `kept`, a process that is not a writer keeps there what its hooks left.
   static void run_on_the_others(Accelerator& acc, bool writer, const std::string& dir,
-                                DirectorySave* save, const std::string& about) {
+                                DirectorySave* save, const std::string& about,
+                                SavedModels* kept = nullptr) {
     std::exception_ptr failure;
     try {
       if (!writer) {
         SavedModels theirs;
-        acc.run_save_hooks(acc.save_hooks_->snapshot(), dir, theirs);
+        acc.run_save_hooks(acc.save_hooks_->snapshot(), dir, kept ? *kept : theirs);
       }
     } catch (const std::exception&) {
       failure = std::current_exception();
@@ -177,6 +181,40 @@ struct GatheredZeroState {
   }
   const std::vector<std::unique_ptr<detail::ZeroOptimizer>>& zero_;
 };
+
+// The shard size that splits `models` into about two shards per process (no more than
+// `shard_size`), so that dealing whole shards by bytes leaves each process near 1/N.
+std::uint64_t split_shard_size(const std::vector<torchpoint::Component>& models, int world,
+                               std::uint64_t shard_size) {
+  std::uint64_t total = 0;
+  for (const torchpoint::Component& m : models) {
+    for (const auto& [name, tensor] : m.contents.tensors) {
+      total += static_cast<std::uint64_t>(tensor.numel()) *
+               static_cast<std::uint64_t>(tensor.element_size());
+    }
+  }
+  const std::uint64_t parts = 2 * static_cast<std::uint64_t>(world);
+  const std::uint64_t split = std::max<std::uint64_t>(1, (total + parts - 1) / parts);
+  return shard_size == 0 ? split : std::min(shard_size, split);
+}
+
+std::uint64_t bytes_written(const std::vector<WrittenComponent>& files) {
+  std::uint64_t bytes = 0;
+  for (const WrittenComponent& f : files) bytes += f.linked ? 0 : f.size;
+  return bytes;
+}
+
+// Orders the files that several processes wrote as one writer lists them: components in the
+// order they first appear, each one's shards in order, the shard indexes last.
+void sort_as_one_writer(std::vector<WrittenComponent>& files) {
+  std::unordered_map<std::string, std::size_t> first;
+  for (const WrittenComponent& f : files) first.emplace(f.component, first.size());
+  std::stable_sort(files.begin(), files.end(),
+                   [&](const WrittenComponent& a, const WrittenComponent& b) {
+                     return std::tuple(a.index, first.at(a.component), a.shard) <
+                            std::tuple(b.index, first.at(b.component), b.shard);
+                   });
+}
 
 }  // namespace
 
@@ -370,8 +408,10 @@ std::string Accelerator::save_state_with(const std::string& output_dir, bool ove
     }
     info.metadata["accelerator"] = {{"step", step_}, {"components", names}};
     LinkSource link_source(env_, options.link_from);
-    save.commit(write_components(env_, save.temp_path(), files_of(names), options, &link_source),
-                info);
+    std::vector<WrittenComponent> written =
+        write_components(env_, save.temp_path(), files_of(names), options, &link_source);
+    save.commit(written, info);
+    last_save_bytes_written_ = bytes_written(written);
   }  // releases the lock before retention takes it
   last_checkpoint_ = path;
 
@@ -420,37 +460,80 @@ std::string Accelerator::save_state_distributed(const std::string& output_dir, b
           }
           save->set_component_names(all);
         }
-        return Json{{"dir", save->temp_path()}, {"path", path}}.dump();
+        return Json{{"dir", save->temp_path()},
+                    {"path", path},
+                    {"names", names},
+                    {"models", save_hooks_->hooks.empty() ? models_.size() : saved.weights.size()}}
+            .dump();
       },
       "save_state(): opening the checkpoint directory"));
   // From here a number is used up, as by an asynchronous save: one that fails leaves it unused.
   if (automatic) config_.iteration(config_.iteration() + 1);
+  const bool split_models = zero_stage_ != 0;
+  SavedModels theirs;
   if (!save_hooks_->hooks.empty()) {
     HookedComponents::run_on_the_others(*this, rank == 0, opened.at("dir").get<std::string>(),
-                                        save.get(), fmt::format("save_state() of {}", path));
+                                        save.get(), fmt::format("save_state() of {}", path),
+                                        split_models ? &theirs : nullptr);
   }
 
   // 2. Every process writes and fsyncs its own files there: the main process the components,
   // each process its RNG states. All succeed, or every process throws (and the main process's
-  // DirectorySave removes the temporary directory).
+  // DirectorySave removes the temporary directory). Under ZeRO every process also writes its
+  // part of the optimizer state, and the models (the same on every process) are split into
+  // shards that the processes share out by bytes, so that none writes much more than 1/N.
+  // With save hooks, each process writes the model states its own hooks left, of the models
+  // the main process's hooks left (hooks that treat every process alike leave the same).
   Json files = Json::array();
+  std::uint64_t written_bytes = 0;
   std::exception_ptr failure;
   try {
     const std::string dir = opened.at("dir").get<std::string>();
-    std::vector<torchpoint::Component> mine;
-    if (rank == 0) {
-      for (std::size_t i = 0; i < components_.size(); ++i) {
+    if (split_models && rank != 0 && !save_hooks_->hooks.empty()) {
+      const std::size_t count = opened.at("models").get<std::size_t>();
+      if (theirs.weights.size() < count) {
+        throw Error(ErrorCode::InvalidArgument,
+                    fmt::format("save_state() of {}: the save hooks left {} model states on "
+                                "process {} but {} on the main process; under ZeRO every "
+                                "process writes part of the models, so the hooks must leave "
+                                "the same models on every process",
+                                path, theirs.weights.size(), rank, count));
+      }
+      theirs.weights.resize(count);
+      HookedComponents::swap_in(hooked, *this, theirs);
+      names = component_names();
+    }
+    if (split_models && names != opened.at("names").get<std::vector<std::string>>()) {
+      throw Error(ErrorCode::InvalidArgument,
+                  fmt::format("save_state() of {}: process {} would save the components {} but "
+                              "the main process {}; every process must prepare and register "
+                              "the same objects in the same order",
+                              path, rank, Json(names).dump(), opened.at("names").dump()));
+    }
+    std::vector<torchpoint::Component> mine, models;
+    for (std::size_t i = 0; i < components_.size(); ++i) {
+      if (split_models && components_[i].kind == "model") {
+        models.push_back({names[i], components_[i].object.state_dict().to_container()});
+      } else if (rank == 0) {
         mine.push_back({names[i], components_[i].object.state_dict().to_container()});
       }
     }
     mine.push_back({random_states_name(rank), rng_.state_dict().to_container()});
-    // Under ZeRO every process writes its own part of the optimizer state.
     for (auto& shard : zero_shards(names)) mine.push_back(std::move(shard));
-    // Only the main process writes the shardable components.
     LinkSource link_source(env_, rank == 0 ? options.link_from : std::string());
-    for (const WrittenComponent& f : write_components(env_, dir, mine, options, &link_source)) {
-      files.push_back(f.to_json());
+    std::vector<WrittenComponent> written =
+        write_components(env_, dir, mine, options, &link_source);
+    if (!models.empty()) {
+      SaveDirectoryOptions shared = options;
+      shared.shard_size = split_shard_size(models, world, options.shard_size);
+      LinkSource shared_link_source(env_, options.link_from);
+      for (WrittenComponent& f : write_components(env_, dir, models, shared,
+                                                  &shared_link_source, {rank, world})) {
+        written.push_back(std::move(f));
+      }
     }
+    written_bytes = bytes_written(written);
+    for (const WrittenComponent& f : written) files.push_back(f.to_json());
   } catch (const std::exception&) {
     failure = std::current_exception();
   }
@@ -468,6 +551,7 @@ std::string Accelerator::save_state_distributed(const std::string& output_dir, b
             written.push_back(WrittenComponent::from_json(f, fmt::format("rank {}", r)));
           }
         }
+        if (split_models) sort_as_one_writer(written);
         CheckpointInfo info;
         info.step = step_;
         info.iteration = config_.iteration() - (automatic ? 1 : 0);
@@ -483,6 +567,7 @@ std::string Accelerator::save_state_distributed(const std::string& output_dir, b
       "save_state(): committing the checkpoint");
   hooked.reset();
   last_checkpoint_ = opened.at("path").get<std::string>();
+  last_save_bytes_written_ = written_bytes;
   return last_checkpoint_;
 }
 
@@ -555,9 +640,10 @@ std::string Accelerator::save_state_per_node(const std::string& output_dir, bool
     }
     mine.push_back({random_states_name(rank), rng_.state_dict().to_container()});
     LinkSource link_source(env_, writer ? options.link_from : std::string());
-    for (const WrittenComponent& f : write_components(env_, dir, mine, options, &link_source)) {
-      files.push_back(f.to_json());
-    }
+    std::vector<WrittenComponent> written =
+        write_components(env_, dir, mine, options, &link_source);
+    last_save_bytes_written_ = bytes_written(written);
+    for (const WrittenComponent& f : written) files.push_back(f.to_json());
   } catch (const std::exception&) {
     failure = std::current_exception();
   }
