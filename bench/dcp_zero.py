@@ -156,6 +156,10 @@ def main(argv):
         record("load", statistics.median(seconds), None, gather(max(reads)), reps=a.reps,
                saved_processes=json.load(open(os.path.join(a.load_from, "processes.json"))))
     else:
+        if rank == 0:  # what an earlier run left
+            shutil.rmtree(a.dir, ignore_errors=True)
+            os.makedirs(a.dir)
+        dist.barrier()
         saves, loads, writes, reads = [], [], [], []
         path = ""
         for rep in range(a.reps + 1):  # the first, untimed: faulting in the writer's buffers

@@ -543,5 +543,44 @@ TEST(Accelerator, AModelOfAnotherShapeIsReportedByKey) {
   expect_same_state(before, wider.final_state());
 }
 
+// ZeRO on one process, with an optimizer that stepped before prepare(): its state becomes the
+// part's (one part: all of it), steps go on from it as without ZeRO, and the checkpoint holds it
+// once, in the shard, not also in the optimizer's own file.
+TEST(Accelerator, ZeroTakesTheStateAnOptimizerHeldBeforePrepare) {
+  TempDir dir;
+  auto run = [&](int stage) {
+    torch::manual_seed(3);
+    torch::nn::Linear net(4, 3);
+    torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(1e-2));
+    for (int i = 0; i < 2; ++i) {  // before prepare: the user's own steps
+      adam.zero_grad();
+      net(torch::ones({2, 4})).pow(2).sum().backward();
+      adam.step();
+    }
+    Accelerator acc(automatic(dir / ("zero" + std::to_string(stage))));
+    acc.set_zero_stage(stage);
+    auto [model, optimizer] = acc.prepare(net, adam);
+    (void)model;
+    optimizer.zero_grad();
+    acc.backward(net(torch::ones({2, 4})).pow(2).sum());
+    optimizer.step();
+    const std::string path = acc.save_state();
+    return std::pair{module_state_dict(*net), path};
+  };
+  auto [plain_model, plain_path] = run(0);
+  auto [zero_model, zero_path] = run(1);
+  expect_same_state(zero_model, plain_model);
+  const auto component = [](const std::string& path, const std::string& name) {
+    for (const Component& c : load_directory(path).components) {
+      if (c.name == name) return StateDict::from_container(c.contents);
+    }
+    ADD_FAILURE() << path << " has no component " << name;
+    return StateDict();
+  };
+  expect_same_state(component(zero_path, "optimizer"), component(plain_path, "optimizer"));
+  EXPECT_TRUE(load_file(zero_path + "/optimizer.safetensors").tensors.empty());
+  EXPECT_FALSE(load_file(zero_path + "/optimizer_zero_0.safetensors").tensors.empty());
+}
+
 }  // namespace
 }  // namespace torchpoint

@@ -286,6 +286,10 @@ void Accelerator::shard(torch::optim::Optimizer& optimizer) {
   zero_.push_back(zero_stage_ == 0 ? nullptr
                                    : std::make_unique<detail::ZeroOptimizer>(
                                          optimizer, group_.get(), zero_stage_));
+  // State the optimizer already holds (it stepped, or loaded a state, before prepare()): each
+  // process keeps its part, and the user's optimizer none, as after every step under ZeRO, so
+  // that no save writes a stale whole copy next to the parts.
+  if (zero_.back() && !optimizer.state().empty()) zero_.back()->take_from_user();
 }
 
 detail::ZeroOptimizer* Accelerator::zero_of(const torch::optim::Optimizer& optimizer) const {
