@@ -8,13 +8,16 @@
 #include <atomic>
 #include <cerrno>
 
+#include "format/container.h"
 #include "format/manifest.h"
+#include "format/zero_shards.h"
 #include "io/filename.h"
 #include "testing/fault_env.h"
 #include "testing/test_util.h"
 #include "torchpoint/checkpoint_dir.h"
 #include "torchpoint/checkpoint_manager.h"
 #include "torchpoint/error.h"
+#include "torchpoint/state_dict.h"
 #include "torchpoint/tensor_file.h"
 
 namespace torchpoint {
@@ -373,6 +376,75 @@ TEST(Incremental, PowerCutsDuringALinkingSaveKeepOnlyCommittedCheckpoints) {
     }
   }
   EXPECT_GT(cuts, 40u);
+}
+
+// A ZeRO shard is read only where it meets a process's range: the header whole, then the state
+// of the pieces meeting [begin, end), each checked against its checksum; damage in a piece that
+// is not read goes unseen by that load (another process, or verify, reads it), and damage in a
+// piece that is read is Corruption.
+TEST(Shards, AZeroShardIsReadOnlyWhereItMeetsTheRange) {
+  TempDir dir;
+  detail::ZeroLayout layout;
+  layout.optimizer = "optimizer";
+  layout.world = 1;
+  layout.total = 10;
+  layout.part = 10;
+  layout.params = {{0, 0, 0, {6}}, {0, 1, 6, {2, 2}}};
+  StateDict shard;
+  shard.set("zero.rank", 0);
+  shard.set("zero.world", 1);
+  shard.set("zero.0.0.begin", 0);
+  shard.set("zero.0.0.numel", 6);
+  shard.set("state.0.0.exp_avg", testing::make_tensor(at::kFloat, {6}, 1));
+  shard.set("state.0.0.step", 3);
+  shard.set("zero.0.1.begin", 0);
+  shard.set("zero.0.1.numel", 4);
+  shard.set("state.0.1.exp_avg", testing::make_tensor(at::kFloat, {4}, 2));
+  shard.set("state.0.1.step", 3);
+  const std::string path = dir / "optimizer_zero_0.safetensors";
+  write_container(Env::posix(), path, shard.to_container());
+
+  std::uint64_t checksum = 0, read = 0;
+  Container second = load_container_part(Env::posix(), path,
+                                         detail::zero_shard_filter(layout, 6, 10), &checksum,
+                                         &read);
+  ASSERT_EQ(second.tensors.size(), 1u);
+  EXPECT_EQ(second.tensors[0].first, "state.0.1.exp_avg");
+  EXPECT_TRUE(testing::bitwise_equal(second.tensors[0].second, shard.tensor("state.0.1.exp_avg")));
+  std::unique_ptr<File> file = Env::posix().open(path, OpenMode::Read);
+  Problems throwing;
+  const ContainerHeader header = read_container_header(*file, path, throwing);
+  file->close();
+  EXPECT_EQ(read, header.data_start + 4 * sizeof(float));
+  // The parse of what was read still knows both pieces and their steps.
+  const detail::ZeroShard parsed =
+      detail::ZeroShard::parse(StateDict::from_container(second), layout, 0, path);
+  EXPECT_EQ(parsed.pieces.size(), 2u);
+  // A range that meets both pieces reads both; one at the boundary only the first.
+  EXPECT_EQ(load_container_part(Env::posix(), path, detail::zero_shard_filter(layout, 5, 7),
+                                nullptr, nullptr)
+                .tensors.size(),
+            2u);
+  EXPECT_EQ(load_container_part(Env::posix(), path, detail::zero_shard_filter(layout, 0, 6),
+                                nullptr, nullptr)
+                .tensors.size(),
+            1u);
+
+  // Damage in the first piece's data: unseen by the load of [6, 10), Corruption for [0, 6).
+  const TensorEntry& first = header.entries[0].name == "state.0.0.exp_avg" ? header.entries[0]
+                                                                           : header.entries[1];
+  ASSERT_EQ(first.name, "state.0.0.exp_avg");
+  testing::flip_bit(path, header.data_start + first.begin + 1, 3);
+  EXPECT_EQ(load_container_part(Env::posix(), path, detail::zero_shard_filter(layout, 6, 10),
+                                nullptr, nullptr)
+                .tensors.size(),
+            1u);
+  testing::expect_error(
+      [&] {
+        load_container_part(Env::posix(), path, detail::zero_shard_filter(layout, 0, 6), nullptr,
+                            nullptr);
+      },
+      ErrorCode::Corruption, {"state.0.0.exp_avg", "fails its checksum"});
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -92,6 +93,14 @@ ContainerHeader parse_container_header(std::string_view prefix, std::uint64_t fi
 // load_file(), also returning the header checksum (which the manifest records).
 Container load_container(Env& env, const std::string& path, std::uint64_t* header_checksum,
                          bool allow_foreign = false, bool* verified = nullptr);
+// Which tensors of a container to read, by name, given its state (the header's JSON).
+using TensorFilter = std::function<bool(const std::string& tensor, const Json& state)>;
+// load_container() of the tensors `keep` accepts (all with an empty filter): the header is
+// read and checked whole, and each tensor read against its checksum; the others are neither
+// read nor returned. `bytes_read`: the header's and the kept tensors' bytes.
+Container load_container_part(Env& env, const std::string& path, const TensorFilter& keep,
+                              std::uint64_t* header_checksum, std::uint64_t* bytes_read,
+                              bool allow_foreign = false, bool* verified = nullptr);
 
 // load_file_into()'s two passes, apart, so that a directory load can verify every file before
 // any tensor changes, and copy the files in only once nothing else can fail.

@@ -691,16 +691,31 @@ Container load_file(const std::string& path, Env& env) {
 
 Container load_container(Env& env, const std::string& path, std::uint64_t* header_checksum,
                          bool allow_foreign, bool* verified) {
+  return load_container_part(env, path, nullptr, header_checksum, nullptr, allow_foreign,
+                             verified);
+}
+
+Container load_container_part(Env& env, const std::string& path, const TensorFilter& keep,
+                              std::uint64_t* header_checksum, std::uint64_t* bytes_read,
+                              bool allow_foreign, bool* verified) {
   std::unique_ptr<File> file;
   ContainerHeader header = open_container(env, path, allow_foreign, &file);
   if (verified != nullptr) *verified = !header.foreign;
   if (header_checksum != nullptr) *header_checksum = header.header_checksum;
+  std::vector<bool> kept(header.entries.size(), true);
+  std::uint64_t read = header.data_start;
+  for (std::size_t i = 0; i < header.entries.size(); ++i) {
+    if (keep) kept[i] = keep(header.entries[i].name, header.state);
+    if (kept[i]) read += header.entries[i].end - header.entries[i].begin;
+  }
+  if (bytes_read != nullptr) *bytes_read = read;
 
   // Each tensor is read straight into memory of its own: nothing returned shares pages with
   // the file, so nothing the file goes through afterwards can change or fault a tensor.
   Problems throwing;
   std::vector<at::Tensor> tensors(header.entries.size());
   for (std::size_t i = 0; i < header.entries.size(); ++i) {
+    if (!kept[i]) continue;
     const TensorEntry& e = header.entries[i];
     std::uint64_t size = e.end - e.begin;
     at::Tensor t;
@@ -730,7 +745,7 @@ Container load_container(Env& env, const std::string& path, std::uint64_t* heade
   out.state = std::move(header.state);
   out.tensors.reserve(header.entries.size());
   for (std::size_t i : header.caller_order) {
-    out.tensors.emplace_back(header.entries[i].name, std::move(tensors[i]));
+    if (kept[i]) out.tensors.emplace_back(header.entries[i].name, std::move(tensors[i]));
   }
   return out;
 }

@@ -716,10 +716,12 @@ static void check_listed_header(const std::string& file_path, const std::string&
 }
 
 // Loads the container file `f` of the checkpoint `path`, checked against its manifest entry.
-static Container load_listed_file(Env& env, const std::string& path, const ManifestFile& f) {
+static Container load_listed_file(Env& env, const std::string& path, const ManifestFile& f,
+                                  const TensorFilter& keep = nullptr,
+                                  std::uint64_t* bytes_read = nullptr) {
   std::string file_path = checked_listed_file(env, path, f);
   std::uint64_t header_checksum = 0;
-  Container contents = load_container(env, file_path, &header_checksum);
+  Container contents = load_container_part(env, file_path, keep, &header_checksum, bytes_read);
   check_listed_header(file_path, path, f, header_checksum);
   return contents;
 }
@@ -865,7 +867,8 @@ static bool fill_component(Env& env, const std::string& path, const Manifest& ma
 
 DirectoryFill load_directory_filling(
     const std::string& path, Env& env, const std::map<std::string, NamedTensors>& fill,
-    const std::function<bool(const std::string&, const CheckpointInfo&)>& skip) {
+    const std::function<bool(const std::string&, const CheckpointInfo&)>& skip,
+    const std::function<TensorFilter(const std::string&, const CheckpointInfo&)>& part) {
   Problems throwing;
   Manifest manifest = load_manifest(env, path, throwing);
   DirectoryFill out;
@@ -877,6 +880,12 @@ DirectoryFill load_directory_filling(
   for (const ManifestFile& f : manifest.files) {
     if (!done.insert(f.component).second) continue;  // a later shard of a component
     if (skip && skip(f.component, manifest.info)) continue;
+    if (TensorFilter keep = part && f.shards == 0 ? part(f.component, manifest.info) : nullptr) {
+      std::uint64_t read = 0;
+      checkpoint.components.push_back({f.component, load_listed_file(env, path, f, keep, &read)});
+      out.bytes_read += read;
+      continue;
+    }
     for (const ManifestFile& g : manifest.files) {
       if (g.component == f.component) out.bytes_read += g.size;
     }

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <memory>
 
 #include "torchpoint/error.h"
 
@@ -44,6 +45,40 @@ bool split_key(std::string_view key, std::string_view prefix, int& g, int& i,
 }
 
 }  // namespace
+
+TensorFilter zero_shard_filter(const ZeroLayout& layout, std::int64_t begin, std::int64_t end) {
+  std::map<std::pair<int, int>, std::int64_t> offsets;
+  for (const ZeroLayout::Param& p : layout.params) offsets[{p.group, p.index}] = p.offset;
+  // The pieces' extents, indexed from the shard's values on the first call (the values are an
+  // ordered object, whose find() walks every key).
+  auto pieces = std::make_shared<std::map<std::pair<int, int>, std::pair<std::int64_t, std::int64_t>>>();
+  auto indexed = std::make_shared<bool>(false);
+  return [offsets = std::move(offsets), pieces, indexed, begin, end](const std::string& tensor,
+                                                                    const Json& state) {
+    if (!*indexed) {
+      *indexed = true;
+      auto values = state.find("values");
+      if (values != state.end() && values->is_object()) {
+        int g = 0, i = 0;
+        std::string rest;
+        for (const auto& [key, value] : values->items()) {
+          if (!value.is_number_integer() || !split_key(key, "zero", g, i, rest)) continue;
+          if (rest == "begin") (*pieces)[{g, i}].first = value.get<std::int64_t>();
+          if (rest == "numel") (*pieces)[{g, i}].second = value.get<std::int64_t>();
+        }
+      }
+    }
+    int g = 0, i = 0;
+    std::string rest;
+    // Anything not a piece's state, or not understood, is read: parse() judges it.
+    if (!split_key(tensor, "state", g, i, rest)) return true;
+    auto offset = offsets.find({g, i});
+    auto piece = pieces->find({g, i});
+    if (offset == offsets.end() || piece == pieces->end()) return true;
+    const std::int64_t first = offset->second + piece->second.first;
+    return first < end && first + piece->second.second > begin;
+  };
+}
 
 std::string zero_shard_name(const std::string& optimizer, int rank) {
   return fmt::format("{}_zero_{}", optimizer, rank);

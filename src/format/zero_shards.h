@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "format/container.h"
 #include "torchpoint/checkpoint_dir.h"
 #include "torchpoint/state_dict.h"
 
@@ -48,6 +49,11 @@ struct ZeroLayout {
   // Throws Corruption naming `where` for a layout that does not add up.
   static ZeroLayout from_json(const Json& json, const std::string& where);
 };
+
+// Which tensors of a shard of `layout` a process whose range is [begin, end) of the flat space
+// needs (for load_container_part): the state of the pieces that meet that range, and anything
+// that is not a piece's state.
+TensorFilter zero_shard_filter(const ZeroLayout& layout, std::int64_t begin, std::int64_t end);
 
 // The layouts in a manifest's metadata (none for a checkpoint saved without ZeRO).
 std::vector<ZeroLayout> zero_layouts(const Json& metadata, const std::string& where);

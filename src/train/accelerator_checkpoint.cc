@@ -945,7 +945,22 @@ void Accelerator::Loading::read() {
       }
       return false;
     };
-    loaded = load_directory_filling(path, acc.env_, fill, skip);
+    // Of a shard it needs, a sharded optimizer reads only the pieces that meet its range.
+    auto part = [&](const std::string& component, const CheckpointInfo& info) -> TensorFilter {
+      if (!layouts) layouts = detail::zero_layouts(info.metadata, path);
+      for (const detail::ZeroLayout& layout : *layouts) {
+        for (int r = 0; r < layout.world; ++r) {
+          if (component != detail::zero_shard_name(layout.optimizer, r)) continue;
+          for (const auto& [name, zero] : acc.sharded(acc.component_names())) {
+            if (name != layout.optimizer) continue;
+            const auto [lo, hi] = zero->range_of(zero->rank());
+            return detail::zero_shard_filter(layout, lo, hi);
+          }
+        }
+      }
+      return nullptr;
+    };
+    loaded = load_directory_filling(path, acc.env_, fill, skip, part);
     report.bytes_read = loaded.bytes_read;
     assemble_zero();
   } catch (const std::exception&) {
