@@ -4,12 +4,12 @@
 # that torchpoint still builds and passes against LibTorch 1.13 (library, CLI, the storage,
 # state, Accelerator and Learner tests, the find_package consumer) and runs that code
 # sanitized. Then it replays the committed fuzz inputs (tests/data/fuzz/<target>/) and fuzzes
-# each parser for FUZZ_SECONDS (default 60) seconds. Any sanitizer report, crash, leak or
+# each parser for FUZZ_SECONDS (default 30) seconds. Any sanitizer report, crash, leak or
 # failed test fails the script. Safe to run again.
 # Usage: scripts/sanitize.sh          FUZZ_SECONDS=600 scripts/sanitize.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-fuzz_seconds=${FUZZ_SECONDS:-60}
+fuzz_seconds=${FUZZ_SECONDS:-30}
 
 # clang 14 is Debian 12's; libFuzzer and the sanitizer runtimes come in libclang-rt-14-dev and
 # llvm-symbolizer (readable reports) in llvm-14.
