@@ -28,6 +28,7 @@
 #include "torchpoint/checkpoint_dir.h"
 #include "torchpoint/checkpoint_manager.h"
 #include "torchpoint/error.h"
+#include "torchpoint/inspect.h"
 #include "torchpoint/module_state.h"
 #include "torchpoint/retention.h"
 #include "torchpoint/stateful_set.h"
@@ -188,10 +189,7 @@ std::uint64_t split_shard_size(const std::vector<torchpoint::Component>& models,
                                std::uint64_t shard_size) {
   std::uint64_t total = 0;
   for (const torchpoint::Component& m : models) {
-    for (const auto& [name, tensor] : m.contents.tensors) {
-      total += static_cast<std::uint64_t>(tensor.numel()) *
-               static_cast<std::uint64_t>(tensor.element_size());
-    }
+    for (const auto& [name, tensor] : m.contents.tensors) total += tensor_bytes(tensor);
   }
   const std::uint64_t parts = 2 * static_cast<std::uint64_t>(world);
   const std::uint64_t split = std::max<std::uint64_t>(1, (total + parts - 1) / parts);
