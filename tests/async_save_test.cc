@@ -3,6 +3,7 @@
 // the Accelerator's save_state_async() writes the same checkpoint as save_state().
 #include "torchpoint/async_save.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -104,6 +105,43 @@ TEST(AsyncSave, TheWriterWaitsForTheSnapshotAndStopsWhenItFails) {
   });
   gate.abandon();
   failing.join();
+}
+
+// A sharded component is written by several threads at once (and compared with link_from by
+// two more): every one of them waits at the snapshot's gate, not only the save's own thread.
+// The state is large enough (256 MiB in 32 shards) that the other threads reach their shards
+// long before the copy does: without the gate they wrote the staging buffer's zeros.
+TEST(AsyncSave, EveryThreadOfAShardedSaveWaitsForTheSnapshot) {
+  TempDir dir;
+  AsyncCheckpointer saver;
+  torch::manual_seed(3);
+  NamedTensors tensors;
+  for (int i = 0; i < 32; ++i) {
+    tensors.emplace_back(fmt::format("layer{}.weight", i), torch::randn({2048, 1024}));
+  }
+  SaveDirectoryOptions options;
+  options.shard_size = 8u << 20;
+  auto check = [&](const std::string& path) {
+    DirectoryCheckpoint got = load_directory(path);
+    ASSERT_EQ(got.components.size(), 1u);
+    const NamedTensors& saved = got.components[0].contents.tensors;
+    ASSERT_EQ(saved.size(), tensors.size());
+    for (std::size_t i = 0; i < saved.size(); ++i) {
+      EXPECT_TRUE(testing::bitwise_equal(saved[i].second, tensors[i].second)) << saved[i].first;
+    }
+  };
+  saver.save_directory(dir / "a", {{"model", {tensors, Json::object()}}}, {}, options).wait();
+  check(dir / "a");
+  // The same tensors again, incremental: the comparers hash the staged copies, and every shard
+  // proves unchanged (a hash of bytes not yet copied would differ, and the shard be rewritten).
+  options.link_from = dir / "a";
+  saver.save_directory(dir / "b", {{"model", {tensors, Json::object()}}}, {}, options).wait();
+  check(dir / "b");
+  int linked = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir / "b")) {
+    if (entry.path().extension() == ".safetensors" && entry.hard_link_count() == 2) ++linked;
+  }
+  EXPECT_EQ(linked, 32);
 }
 
 TEST(AsyncSave, StagingIsAllocatedOnceAndReused) {

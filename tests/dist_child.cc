@@ -35,6 +35,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -128,8 +129,13 @@ int main(int argc, char** argv) {
   tp::testing::append_line(
       log, fmt::format("pid {} {}", ::getpid(), env_int("TORCHELASTIC_RESTART_COUNT", 0)));
   tp::testing::FaultEnv env;
-  long saves = 0, ops_in_save = 0, ops_in_load = 0;
-  bool in_save = false, in_load = false;
+  // TORCHPOINT_TEST_ASYNC=1: every save is save_state_async(), waited for at the next save (or
+  // at the end). Its file-system calls come from the background threads, counted as the save's.
+  const bool async_saves = env_int("TORCHPOINT_TEST_ASYNC", 0) == 1;
+  long saves = 0, ops_in_load = 0;
+  std::atomic<long> ops_in_save{0};
+  std::atomic<bool> in_save{false};
+  bool in_load = false;
   const bool each_node = env_int("TORCHPOINT_TEST_EACH_NODE", 0) == 1;
   env.set_before_op([&](tp::testing::Op, const std::string& path) {
     // Every file the Accelerator touches is this process's project's (with save_on_each_node,
@@ -140,8 +146,8 @@ int main(int argc, char** argv) {
     if (in_load && ++ops_in_load == kill_load_op) kill_self();
     if (in_load && ops_in_load == freeze_load_op) ::raise(SIGSTOP);
     if (!in_save) return;
-    ++ops_in_save;
-    if (saves == kill_save && ops_in_save == kill_op) kill_self();
+    const long op = ++ops_in_save;
+    if (saves == kill_save && op == kill_op) kill_self();
   });
 
   try {
@@ -188,14 +194,21 @@ int main(int argc, char** argv) {
     acc.register_for_checkpointing(counters);
     // Hooks as Accelerate calls them, on every process: each writes a file of its own into the
     // checkpoint (committed with it), and each load is logged.
-    acc.register_save_state_pre_hook([&](tp::Accelerator::ModelList& models,
-                                         std::vector<tp::StateDict>& weights,
-                                         const std::string& dir) {
-      if (models.size() != 1 || weights.size() != 1) {
-        throw std::runtime_error("the save hook did not get the model and its state");
-      }
-      std::ofstream(fmt::format("{}/hook_rank{}.txt", dir, rank)) << counters.step << "\n";
-    });
+    if (async_saves) {
+      // A background save's hooks take the directory only, and run while the loop trains on.
+      acc.register_save_state_pre_hook([rank](const std::string& dir) {
+        std::ofstream(fmt::format("{}/hook_rank{}.txt", dir, rank)) << rank << "\n";
+      });
+    } else {
+      acc.register_save_state_pre_hook([&](tp::Accelerator::ModelList& models,
+                                           std::vector<tp::StateDict>& weights,
+                                           const std::string& dir) {
+        if (models.size() != 1 || weights.size() != 1) {
+          throw std::runtime_error("the save hook did not get the model and its state");
+        }
+        std::ofstream(fmt::format("{}/hook_rank{}.txt", dir, rank)) << counters.step << "\n";
+      });
+    }
     acc.register_load_state_pre_hook([&](tp::Accelerator::ModelList& models, const std::string&) {
       tp::testing::append_line(log, fmt::format("load_hook {}", models.size()));
     });
@@ -230,6 +243,20 @@ int main(int argc, char** argv) {
       return tp::checksum_hex(h.digest());
     };
     const long epochs = env_int("TORCHPOINT_TEST_EPOCHS", 3);
+    tp::SaveHandle pending;  // the background save in flight
+    // Waits for it; logs what it cost, or its failure (each process gets the same outcome).
+    auto finish_async = [&] {
+      if (!in_save) return;
+      try {
+        pending.wait();
+      } catch (const tp::Error& e) {
+        if (plan.rfind("fail:", 0) != 0) throw;
+        tp::testing::append_line(log, std::string("save_failed ") + e.what());
+      }
+      env.clear_faults();
+      in_save = false;
+      tp::testing::append_line(log, fmt::format("save_ops {} {}", saves, ops_in_save.load()));
+    };
     while (counters.epoch < epochs) {
       for (auto& b : *loader) {
         if (counters.step + 1 == hang_step) ::sleep(600);
@@ -264,7 +291,19 @@ int main(int argc, char** argv) {
         tp::testing::append_line(log, fmt::format("samples {} {}", counters.epoch, samples));
         tp::testing::append_line(log, fmt::format("step {} {}", counters.step, params_digest()));
         if (counters.step == kill_step) kill_self();
-        if (counters.step % 4 == 0) {
+        if (counters.step % 4 == 0 && async_saves) {
+          finish_async();
+          ++saves;
+          ops_in_save = 0;
+          if (saves == hang_save) ::sleep(600);
+          if (saves == fail_save) env.fail_nth({tp::testing::Op::Write}, 1, ENOSPC);
+          in_save = true;
+          pending = acc.save_state_async();
+          if (counters.step == stop_step) {
+            finish_async();
+            return 0;
+          }
+        } else if (counters.step % 4 == 0) {
           ++saves;
           ops_in_save = 0;
           in_save = true;
@@ -297,7 +336,7 @@ int main(int argc, char** argv) {
           }
           env.clear_faults();
           in_save = false;
-          tp::testing::append_line(log, fmt::format("save_ops {} {}", saves, ops_in_save));
+          tp::testing::append_line(log, fmt::format("save_ops {} {}", saves, ops_in_save.load()));
           if (counters.step == stop_step) return 0;
         }
       }
@@ -305,6 +344,7 @@ int main(int argc, char** argv) {
       ++counters.epoch;
       counters.batch_in_epoch = 0;
     }
+    finish_async();
     if (zero_env != nullptr) {
       tp::testing::append_line(log, fmt::format("optimizer_bytes {}", acc.optimizer_state_bytes()));
     }

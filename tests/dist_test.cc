@@ -686,7 +686,9 @@ TEST(DistributedAccelerator, NoSyncAccumulatesLocallyAndAveragesOnce) {
 
 // SIGKILL of one process at 26 seeded random moments (after a step, or before a file-system call
 // inside a save, on either rank), 22 of them in a run at ZeRO stage 2 (where every rank writes
-// its shard of the optimizer state and part of the model) and 4 in plain data parallel;
+// its shard of the optimizer state and part of the model; 8 of those runs save in the
+// background with save_state_async, 4 killed inside a background save) and 4 in plain data
+// parallel;
 // torchrun restarts the pair; each run ends bit-identical to the uninterrupted run of its kind,
 // and `torchpoint verify` accepts every committed checkpoint (none lacks a rank's file).
 TEST(DistributedAccelerator, KilledAtSeededRandomMomentsResumesBitIdentically) {
@@ -700,6 +702,8 @@ TEST(DistributedAccelerator, KilledAtSeededRandomMomentsResumesBitIdentically) {
   std::map<std::string, Kind> kinds;
   kinds["plain"].env = "";
   kinds["zero2"].env = "TORCHPOINT_TEST_ZERO=2 TORCHPOINT_TEST_CLIP=value";
+  // The same run with every save in the background (save_state_async), waited for at the next.
+  kinds["zero2async"].env = kinds["zero2"].env + " TORCHPOINT_TEST_ASYNC=1";
   for (auto& [name, kind] : kinds) {
     std::filesystem::create_directories(dir.path() + "/" + name);
     kind.reference = run_child(dir.path() + "/" + name, "reference", 2, "none", 16, 1, kind.env);
@@ -713,11 +717,39 @@ TEST(DistributedAccelerator, KilledAtSeededRandomMomentsResumesBitIdentically) {
       ASSERT_EQ(kind.ops[r].size(), 4u) << name;
     }
   }
+  // A background save commits what save_state() commits: the same steps and final state, and
+  // every checkpoint the same logical state (torchpoint digest) and valid.
+  const Kind &sync = kinds.at("zero2"), &async = kinds.at("zero2async");
+  EXPECT_EQ(async.steps, sync.steps);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(async.reference.logs[r].other.at("final"), sync.reference.logs[r].other.at("final"));
+  }
+  const std::vector<std::string> kept = committed(dir.path() + "/zero2");
+  ASSERT_EQ(kept.size(), 3u);
+  EXPECT_EQ(committed(dir.path() + "/zero2async"), kept);
+  auto cli = [&](const std::string& args) {
+    const std::string out = dir.path() + "/cli.out";
+    int status = std::system(fmt::format("{} {} > {} 2>&1", TORCHPOINT_CLI, args, out).c_str());
+    return std::pair{status, tt::read_bytes(out)};
+  };
+  for (const std::string& name : kept) {
+    auto [s1, d1] = cli(fmt::format("digest {}/zero2/project/checkpoints/{}", dir.path(), name));
+    auto [s2, d2] =
+        cli(fmt::format("digest {}/zero2async/project/checkpoints/{}", dir.path(), name));
+    EXPECT_EQ(s1, 0) << d1;
+    EXPECT_EQ(s2, 0) << d2;
+    EXPECT_EQ(d2.substr(0, d2.find(' ')), d1.substr(0, d1.find(' '))) << name;
+    auto [verified, said] =
+        cli(fmt::format("verify {}/zero2async/project/checkpoints/{}", dir.path(), name));
+    EXPECT_EQ(verified, 0) << said;
+    EXPECT_TRUE(std::filesystem::exists(
+        fmt::format("{}/zero2async/project/checkpoints/{}/hook_rank1.txt", dir.path(), name)));
+  }
 
   std::mt19937 rng(20261201);
-  int inside_saves = 0, zero_runs = 0, zero_inside_saves = 0;
+  int inside_saves = 0, zero_runs = 0, zero_inside_saves = 0, async_inside_saves = 0;
   for (int i = 0; i < 26; ++i) {
-    const std::string name = i % 7 == 0 ? "plain" : "zero2";
+    const std::string name = i % 7 == 0 ? "plain" : i % 3 == 1 ? "zero2async" : "zero2";
     Kind& kind = kinds.at(name);
     const int rank = static_cast<int>(rng() % 2);
     std::string plan;
@@ -728,9 +760,10 @@ TEST(DistributedAccelerator, KilledAtSeededRandomMomentsResumesBitIdentically) {
       const long op = 1 + static_cast<long>(rng() % kind.ops[rank][save - 1]);
       plan = fmt::format("kill:{}:save:{}:op:{}", rank, save, op);
       ++inside_saves;
-      zero_inside_saves += name == "zero2";
+      zero_inside_saves += name != "plain";
+      async_inside_saves += name == "zero2async";
     }
-    zero_runs += name == "zero2";
+    zero_runs += name != "plain";
     SCOPED_TRACE(name + " " + plan);
     std::string sub = dir.path() + "/" + std::to_string(i);
     std::filesystem::create_directories(sub);
@@ -758,6 +791,7 @@ TEST(DistributedAccelerator, KilledAtSeededRandomMomentsResumesBitIdentically) {
   EXPECT_EQ(inside_saves, 13);
   EXPECT_EQ(zero_runs, 22);
   EXPECT_EQ(zero_inside_saves, 11);
+  EXPECT_EQ(async_inside_saves, 4);
 }
 
 // A write that fails on one rank only (ENOSPC from the fault-injecting Env) makes save_state()
@@ -767,11 +801,15 @@ TEST(DistributedAccelerator, AWriteFailingOnOneRankCommitsNothing) {
   tt::TempDir dir;
   ChildRun reference = run_child(dir.path(), "reference", 2, "none");
   ASSERT_EQ(reference.status, 0) << reference.output;
-  for (int failing : {1, 0}) {
-    SCOPED_TRACE(failing);
-    std::string sub = dir.path() + "/fail" + std::to_string(failing);
+  // The last run saves in the background: the failure reaches every rank's handle alike.
+  for (int k : {1, 0, 3}) {
+    const int failing = k % 2;
+    const bool async = k == 3;
+    SCOPED_TRACE(fmt::format("rank {} fails{}", failing, async ? ", in the background" : ""));
+    std::string sub = dir.path() + "/fail" + std::to_string(k);
     std::filesystem::create_directories(sub);
-    ChildRun run = run_child(sub, "log", 2, fmt::format("fail:{}:save:2", failing), 16, 0);
+    ChildRun run = run_child(sub, "log", 2, fmt::format("fail:{}:save:2", failing), 16, 0,
+                             async ? "TORCHPOINT_TEST_ASYNC=1" : "");
     ASSERT_EQ(run.status, 0) << run.output;
     for (int r = 0; r < 2; ++r) {
       ASSERT_EQ(run.logs[r].other["save_failed"].size(), 1u) << "rank " << r;

@@ -465,8 +465,11 @@ class Accelerator {
   // next save_state(), load_state() or wait_for_checkpoint(). Save hooks run on the background
   // thread. A kill while the background write runs leaves every earlier checkpoint intact and
   // this one absent. With automatic naming the iteration advances at once, so a failed
-  // asynchronous save leaves its number unused. One process only for now: with several it throws
-  // Unsupported (use save_state()).
+  // asynchronous save leaves its number unused. With several processes (plain data parallel or
+  // ZeRO) each stages the part it writes, as save_state() would write it, and its background
+  // thread writes it; the main process commits once every process has written and agreed, and
+  // every process's handle gets the same outcome. Every process calls it at the same point.
+  // With save_on_each_node on several nodes it throws Unsupported (use save_state()).
   SaveHandle save_state_async(const std::string& output_dir = "", bool overwrite = false);
   // The bytes of checkpoint files this process wrote in its last save_state() (files hard-linked
   // from an earlier checkpoint count nothing); 0 before the first. Under ZeRO about 1/N of the
@@ -760,6 +763,9 @@ class Accelerator {
   // The sampler of a prepared loader: sharded over the processes.
   void add_sampler(AnyStateful sampler, ResumableSampler& shardable);
   std::string save_state_distributed(const std::string& output_dir, bool overwrite);
+  // save_state_async() with several processes: each stages what it writes now; opening, writing,
+  // agreeing and committing run on its background thread, over save_channel_.
+  SaveHandle save_state_async_distributed(const std::string& output_dir, bool overwrite);
   // save_on_each_node with several nodes: every node's local main process writes its own copy.
   bool saves_per_node() const;
   std::string save_state_per_node(const std::string& output_dir, bool overwrite);
@@ -856,6 +862,8 @@ class Accelerator {
   bool scaled_pending_ = false;
   bool warned_uncounted_ = false;
   Json logged_metrics_ = Json::object();  // by name, in the order first logged
+  // The background saves' own connection to the other processes (several processes only).
+  std::unique_ptr<ProcessGroup> save_channel_;
   // Made at the first save_state_async(); destroyed first, so that its background save never
   // outlives the members it uses.
   std::unique_ptr<AsyncCheckpointer> async_;

@@ -78,6 +78,17 @@ class AsyncCheckpointer {
                             const SaveDirectoryOptions& options = {},
                             std::function<void()> after_commit = {});
 
+  // For one writer of a checkpoint that several processes write (each its own part): a
+  // snapshot of `components` taken now and handed to `write` on the background thread, which
+  // writes, reports and commits as it must. Only the tensors `stage` accepts are copied (all,
+  // when it is empty); the others stay the caller's own, and `write` may read their names,
+  // shapes and dtypes but not their values.
+  using StageFilter =
+      std::function<bool(const std::string& component, const std::string& tensor)>;
+  SaveHandle save_with(const std::string& path, const std::vector<Component>& components,
+                       std::function<void(const std::vector<Component>&)> write,
+                       const StageFilter& stage = {});
+
   // Blocks until the save in flight (if any) has committed or failed; throws its error unless
   // it was already received through a handle.
   void wait();

@@ -138,6 +138,13 @@ class ProcessGroup {
   // its own error, or one naming the ranks that failed and why.
   void agree(const std::exception_ptr& failure, const std::string& what);
 
+  // A second membership of this group for another thread of this process (a background
+  // save's): the same ranks, its own connection to the store and keys of its own, so that its
+  // exchanges neither wait behind this group's nor mix with them. Only the string exchanges
+  // above work on it (its collectives throw Unsupported), and it counts its own requests. Every
+  // rank opens its side channels in the same order: the n-th of each rank meet.
+  std::unique_ptr<ProcessGroup> side_channel();
+
   struct Impl;
 
  private:
@@ -154,6 +161,7 @@ class ProcessGroup {
   ProcessGroupOptions options_;
   std::unique_ptr<Impl> impl_;
   std::uint64_t collectives_ = 0;
+  std::uint64_t side_channels_ = 0;
   std::uint64_t exchanges_ = 0;
   std::uint64_t store_requests_ = 0;
   double store_seconds_ = 0;

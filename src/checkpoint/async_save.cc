@@ -88,10 +88,11 @@ struct AsyncCheckpointer::Staging {
 
   // The bytes one container's image takes, rounded up to a whole block (O_DIRECT writes the
   // last block whole).
-  static std::size_t bytes_needed(const NamedTensors& tensors, bool& any_cuda) {
+  static std::size_t bytes_needed(const NamedTensors& tensors, bool& any_cuda,
+                                  const std::function<bool(const std::string&)>& keep = {}) {
     std::size_t total = 0;
     for (const auto& [name, t] : tensors) {
-      if (!stageable(t)) continue;
+      if (!stageable(t) || (keep && !keep(name))) continue;
       total += t.nbytes();
       any_cuda = any_cuda || t.is_cuda();
     }
@@ -123,10 +124,11 @@ struct AsyncCheckpointer::Staging {
   // caller's order, laid out in data order; `offset` moves past the image. The copies still to
   // be made are appended to `copies`, in buffer order.
   NamedTensors views(const NamedTensors& tensors, std::size_t& offset,
-                     std::vector<PendingCopy>& copies) {
+                     std::vector<PendingCopy>& copies,
+                     const std::function<bool(const std::string&)>& keep = {}) {
     std::vector<std::size_t> order;
     for (std::size_t i = 0; i < tensors.size(); ++i) {
-      if (stageable(tensors[i].second)) order.push_back(i);
+      if (stageable(tensors[i].second) && (!keep || keep(tensors[i].first))) order.push_back(i);
     }
     std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
       return tensors[a].second.element_size() > tensors[b].second.element_size();
@@ -300,11 +302,28 @@ SaveHandle AsyncCheckpointer::save_directory(const std::string& path,
                                              const CheckpointInfo& info,
                                              const SaveDirectoryOptions& options,
                                              std::function<void()> after_commit) {
+  Env* env = &env_;
+  return save_with(path, components,
+                   [path, info, options, env, after_commit = std::move(after_commit)](
+                       const std::vector<Component>& snapshot) {
+                     torchpoint::save_directory(path, snapshot, info, *env, options);
+                     if (after_commit) after_commit();
+                   });
+}
+
+SaveHandle AsyncCheckpointer::save_with(const std::string& path,
+                                        const std::vector<Component>& components,
+                                        std::function<void(const std::vector<Component>&)> write,
+                                        const StageFilter& stage) {
   wait();
+  auto keep_of = [&](const Component& c) -> std::function<bool(const std::string&)> {
+    if (!stage) return {};
+    return [&stage, &c](const std::string& tensor) { return stage(c.name, tensor); };
+  };
   bool any_cuda = false;
   std::size_t bytes = 0;
   for (const Component& c : components) {
-    bytes += Staging::bytes_needed(c.contents.tensors, any_cuda);
+    bytes += Staging::bytes_needed(c.contents.tensors, any_cuda, keep_of(c));
   }
   staging_->reserve(bytes, any_cuda);
   std::size_t offset = 0;
@@ -312,15 +331,13 @@ SaveHandle AsyncCheckpointer::save_directory(const std::string& path,
   std::vector<Component> snapshot;
   snapshot.reserve(components.size());
   for (const Component& c : components) {
-    snapshot.push_back(
-        {c.name, {staging_->views(c.contents.tensors, offset, copies), c.contents.state}});
+    snapshot.push_back({c.name,
+                        {staging_->views(c.contents.tensors, offset, copies, keep_of(c)),
+                         c.contents.state}});
   }
-  Env* env = &env_;
   return snapshot_and_start(path, std::move(copies),
-                            [path, snapshot = std::move(snapshot), info, options, env,
-                             after_commit = std::move(after_commit)] {
-                              torchpoint::save_directory(path, snapshot, info, *env, options);
-                              if (after_commit) after_commit();
+                            [snapshot = std::move(snapshot), write = std::move(write)] {
+                              write(snapshot);
                             });
 }
 

@@ -22,7 +22,17 @@ namespace torchpoint {
 
 struct ProcessGroup::Impl {
   c10::intrusive_ptr<c10d::Store> store;  // under torchpoint's own prefix
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;  // null on a side channel
+  std::string prefix;                               // of `store`'s keys
+
+  c10d::ProcessGroupGloo& collectives() const {
+    if (!gloo) {
+      throw Error(ErrorCode::Unsupported,
+                  "a side channel of a process group makes string exchanges only; call "
+                  "collectives on the group itself");
+    }
+    return *gloo;
+  }
 };
 
 namespace {
@@ -210,7 +220,8 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const ProcessGroupOptions& op
                             options.rank(), options.master_addr(), options.master_port(),
                             cause_of(e)));
   }
-  impl->store = c10::make_intrusive<c10d::PrefixStore>(fmt::format("torchpoint/{}", name), store);
+  impl->prefix = fmt::format("torchpoint/{}", name);
+  impl->store = c10::make_intrusive<c10d::PrefixStore>(impl->prefix, store);
 
   auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout());
   std::optional<std::string> interface = variable("GLOO_SOCKET_IFNAME");
@@ -232,6 +243,27 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const ProcessGroupOptions& op
   return std::shared_ptr<ProcessGroup>(new ProcessGroup(options, std::move(impl)));
 }
 
+std::unique_ptr<ProcessGroup> ProcessGroup::side_channel() {
+  auto impl = std::make_unique<Impl>();
+  impl->prefix = fmt::format("{}/side/{}", impl_->prefix, ++side_channels_);
+  c10d::TCPStoreOptions store_options;
+  store_options.port = static_cast<std::uint16_t>(options_.master_port());
+  store_options.isServer = false;
+  store_options.waitWorkers = false;
+  store_options.timeout = options_.timeout();
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(options_.master_addr(), store_options);
+  } catch (const std::exception& e) {
+    throw Error(ErrorCode::IOError,
+                fmt::format("rank {}: cannot open a second connection to the rendezvous store "
+                            "at {}:{} ({})",
+                            rank(), options_.master_addr(), options_.master_port(), cause_of(e)));
+  }
+  impl->store = c10::make_intrusive<c10d::PrefixStore>(impl->prefix, store);
+  return std::unique_ptr<ProcessGroup>(new ProcessGroup(options_, std::move(impl)));
+}
+
 std::shared_ptr<ProcessGroup> ProcessGroup::from_environment() {
   static std::mutex mutex;
   static std::shared_ptr<ProcessGroup> group;
@@ -246,6 +278,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::from_environment() {
 }
 
 std::uint64_t ProcessGroup::enter_collective() {
+  (void)impl_->collectives();  // a side channel refuses here, before anything is counted
   const std::uint64_t n = ++collectives_;
   ++store_requests_;
   impl_->store->set(fmt::format("progress/{}", rank()), bytes_of(std::to_string(n)));
@@ -321,7 +354,7 @@ void ProcessGroup::collective_failed(std::uint64_t n, const std::string& what,
 void ProcessGroup::barrier(const std::string& what) {
   std::uint64_t n = enter_collective();
   try {
-    impl_->gloo->barrier()->wait();
+    impl_->collectives().barrier()->wait();
   } catch (const std::exception& e) {
     collective_failed(n, what, e);
   }
@@ -333,7 +366,7 @@ void ProcessGroup::broadcast(std::vector<at::Tensor>& tensors, int root, const s
   c10d::BroadcastOptions o;
   o.rootRank = root;
   try {
-    impl_->gloo->broadcast(tensors, o)->wait();
+    impl_->collectives().broadcast(tensors, o)->wait();
   } catch (const std::exception& e) {
     collective_failed(n, what, e);
   }
@@ -347,7 +380,7 @@ void ProcessGroup::allreduce(at::Tensor& tensor, ReduceOp op, const std::string&
                                      : c10d::ReduceOp::MIN;
   std::vector<at::Tensor> tensors{tensor};
   try {
-    impl_->gloo->allreduce(tensors, o)->wait();
+    impl_->collectives().allreduce(tensors, o)->wait();
   } catch (const std::exception& e) {
     collective_failed(n, what, e);
   }
@@ -359,7 +392,7 @@ std::vector<at::Tensor> ProcessGroup::allgather(const at::Tensor& tensor, const 
   std::vector<std::vector<at::Tensor>> output(1);
   for (int r = 0; r < size(); ++r) output[0].push_back(at::empty_like(input[0]));
   try {
-    impl_->gloo->allgather(output, input)->wait();
+    impl_->collectives().allgather(output, input)->wait();
   } catch (const std::exception& e) {
     collective_failed(n, what, e);
   }
@@ -398,7 +431,7 @@ at::Tensor ProcessGroup::reduce_scatter(const at::Tensor& input, const std::stri
   std::uint64_t n = enter_collective();
   at::Tensor in = input.contiguous();
   try {
-    return reduce_scatter_on(*impl_->gloo, in, part, rank());
+    return reduce_scatter_on(impl_->collectives(), in, part, rank());
   } catch (const std::exception& e) {
     collective_failed(n, what, e);
   }

@@ -6,6 +6,7 @@
 #include <condition_variable>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -18,6 +19,7 @@
 #include "format/directory_save.h"
 #include "format/manifest.h"
 #include "format/shards.h"
+#include "format/staging_gate.h"
 #include "format/zero_shards.h"
 #include "io/atomic_commit.h"
 #include "io/filename.h"
@@ -298,12 +300,22 @@ void run_tasks(Env& env, const std::string& dir, std::vector<FileTask>& tasks,
       }
     }
   };
+  // A background save's tensors may still be on their way into its staging buffer: the
+  // helper threads wait for them at the same gate as this thread (it is this thread's own).
+  const detail::StagingGate* gate = detail::current_staging_gate;
+  auto gated = [gate](const std::function<void()>& work) {
+    return [gate, work] {
+      detail::current_staging_gate = gate;
+      work();
+      detail::current_staging_gate = nullptr;
+    };
+  };
   std::vector<std::thread> threads;
   const std::size_t comparers = std::min(kComparers, to_compare.size());
   const std::size_t writers = std::min(kWriters, tasks.size());
   try {
-    for (std::size_t i = 0; i < comparers; ++i) threads.emplace_back(comparer);
-    for (std::size_t i = 1; i < writers; ++i) threads.emplace_back(writer);
+    for (std::size_t i = 0; i < comparers; ++i) threads.emplace_back(gated(comparer));
+    for (std::size_t i = 1; i < writers; ++i) threads.emplace_back(gated(writer));
   } catch (...) {
     fail(std::current_exception());  // no thread to be had: stop those that started
   }
@@ -455,6 +467,22 @@ std::vector<WrittenComponent> write_components(Env& env, const std::string& dir,
   std::vector<WrittenComponent> out;
   for (FileTask& task : tasks) out.push_back(std::move(task.out));
   for (const PlannedIndex& index : indexes) out.push_back(write_index(env, dir, index));
+  return out;
+}
+
+std::unordered_set<std::string> tensors_of_part(const std::vector<Component>& components,
+                                                const SaveDirectoryOptions& options,
+                                                WriterPart part) {
+  std::vector<FileTask> tasks;
+  std::vector<PlannedIndex> indexes;
+  for (const Component& c : components) plan_files(c, options, tasks, indexes);
+  if (part.count > 1) tasks = tasks_of_part(std::move(tasks), part);
+  std::unordered_set<std::string> out;
+  for (const FileTask& task : tasks) {
+    for (const auto& [name, tensor] : task.contents().tensors) {
+      out.insert(task.component->name + "/" + name);
+    }
+  }
   return out;
 }
 

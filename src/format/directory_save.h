@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "format/manifest.h"
@@ -61,6 +62,12 @@ std::vector<WrittenComponent> write_components(Env& env, const std::string& dir,
                                                const SaveDirectoryOptions& options = {},
                                                const LinkSource* link_source = nullptr,
                                                WriterPart part = {});
+
+// The tensors, as "component/tensor", in the files that write_components() with `part` writes
+// (for staging only those before a background write).
+std::unordered_set<std::string> tensors_of_part(const std::vector<Component>& components,
+                                                const SaveDirectoryOptions& options,
+                                                WriterPart part);
 
 class DirectorySave {
  public:

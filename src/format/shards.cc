@@ -8,6 +8,7 @@
 #include "format/checksum.h"
 #include "format/json_depth.h"
 #include "format/ordered_json.h"
+#include "format/staging_gate.h"
 #include "io/filename.h"
 #include "torchpoint/error.h"
 
@@ -39,6 +40,10 @@ void pack(const Component& component, const std::vector<std::size_t>& indexes,
 std::uint64_t tensor_checksum(const at::Tensor& tensor) {
   at::Tensor t = tensor.device().is_cpu() ? tensor.contiguous() : tensor.cpu().contiguous();
   std::uint64_t bytes = tensor_bytes(t);
+  // In a background save the bytes may still be on their way into the staging buffer.
+  if (const detail::StagingGate* gate = detail::current_staging_gate; gate && bytes > 0) {
+    gate->wait_for(t.data_ptr(), static_cast<std::size_t>(bytes));
+  }
   return bytes > 0 ? xxh3(t.data_ptr(), bytes) : Xxh3Stream().digest();
 }
 
@@ -105,7 +110,9 @@ std::optional<std::pair<std::string, ManifestFile>> LinkSource::find(
     Problems throwing;
     ContainerHeader header = read_container_header(*file, file_path, throwing);
     if (header.foreign || header.header_checksum != entry.header_checksum ||
-        header.caller_order.size() != contents.tensors.size() || header.state != contents.state) {
+        header.caller_order.size() != contents.tensors.size() ||
+        // No state is written as an empty object, and read back as one.
+        header.state != (contents.state.is_null() ? Json::object() : contents.state)) {
       return std::nullopt;
     }
     // Names, dtypes and shapes first: cheap, and they settle most changed shards.

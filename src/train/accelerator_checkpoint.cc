@@ -12,6 +12,7 @@
 #include <set>
 #include <tuple>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "checkpoint/committed.h"
 #include "compat/torch_compat.h"
@@ -264,16 +265,10 @@ std::string Accelerator::save_state(const std::string& output_dir, bool overwrit
 }
 
 SaveHandle Accelerator::save_state_async(const std::string& output_dir, bool overwrite) {
-  if (group_) {
+  if (group_ && saves_per_node()) {
     throw Error(ErrorCode::Unsupported,
-                "save_state_async() runs on one process only for now: with several processes, "
-                "call save_state()");
-  }
-  if (zero_stage_ != 0) {
-    throw Error(ErrorCode::Unsupported,
-                "save_state_async() with ZeRO (set_zero_stage): the sharded optimizer state is "
-                "gathered for the save, which the background save cannot hold; call "
-                "save_state()");
+                "save_state_async() with save_on_each_node on several nodes: every node writes "
+                "a whole copy, which only save_state() does; call save_state()");
   }
   if (save_hooks_->any_sees_models()) {
     throw Error(ErrorCode::Unsupported,
@@ -283,9 +278,160 @@ SaveHandle Accelerator::save_state_async(const std::string& output_dir, bool ove
                 "that takes the directory only");
   }
   if (!async_) async_ = std::make_unique<AsyncCheckpointer>(env_);
+  if (group_) return save_state_async_distributed(output_dir, overwrite);
   SaveHandle handle;
   save_state_with(output_dir, overwrite, async_.get(), &handle);
   return handle;
+}
+
+// save_state_distributed() in the background. In the foreground, every process stages what it
+// writes (the main process the replicated components unless ZeRO splits the models, every
+// process its RNG state and its ZeRO shards, and under ZeRO only the model shards dealt to it)
+// and fills in the manifest's metadata. On its background thread, over a connection of its own
+// (save_channel_), the exchanges of save_state_distributed() follow in the same order: the main
+// process opens the checkpoint and runs its save hooks (directory-only), the others run theirs
+// in the same directory, every process writes its files, all agree, and the main process
+// commits with every process's report. The foreground makes no message at all.
+SaveHandle Accelerator::save_state_async_distributed(const std::string& output_dir,
+                                                     bool overwrite) {
+  async_->wait();  // the previous save's error first: every process got the same
+  const bool automatic = output_dir.empty();
+  const std::string path = begin_save(output_dir);
+  const int rank = group_->rank(), world = group_->size();
+  if (!save_channel_) save_channel_ = group_->side_channel();
+  const std::vector<std::string> names = component_names();
+  SaveDirectoryOptions options = directory_options(overwrite);
+  const bool split_models = zero_stage_ != 0;
+
+  std::vector<torchpoint::Component> files;  // what this process writes: its own, then models
+  std::size_t own = 0;
+  for (std::size_t i = 0; i < components_.size(); ++i) {
+    if (rank == 0 && !(split_models && components_[i].kind == "model")) {
+      files.push_back({names[i], components_[i].object.state_dict().to_container()});
+    }
+  }
+  files.push_back({random_states_name(rank), rng_.state_dict().to_container()});
+  for (auto& shard : zero_shards(names)) files.push_back(std::move(shard));
+  own = files.size();
+  SaveDirectoryOptions shared = options;
+  std::unordered_set<std::string> my_model_tensors;
+  if (split_models) {
+    std::vector<torchpoint::Component> models;
+    for (std::size_t i = 0; i < components_.size(); ++i) {
+      if (components_[i].kind == "model") {
+        models.push_back({names[i], components_[i].object.state_dict().to_container()});
+      }
+    }
+    shared.shard_size = split_shard_size(models, world, options.shard_size);
+    my_model_tensors = tensors_of_part(models, shared, {rank, world});
+    for (auto& m : models) files.push_back(std::move(m));
+  }
+
+  std::vector<std::string> all = names;
+  for (int r = 0; r < world; ++r) all.push_back(random_states_name(r));
+  for (std::string& shard : zero_shard_names(names, world)) all.push_back(std::move(shard));
+  CheckpointInfo info;
+  info.step = step_;
+  info.iteration = config_.iteration();
+  info.metadata = {
+      {"accelerator", {{"step", step_}, {"components", names}, {"world_size", world}}}};
+  if (!logged_metrics_.empty()) info.metadata["metrics"] = logged_metrics_;
+  if (Json layouts = zero_layouts(names); !layouts.empty()) info.metadata["zero"] = layouts;
+  std::vector<detail::HookList::Hook> hooks = save_hooks_->snapshot();
+  if (rank == 0 && !hooks.empty()) {
+    options.before_components = [hooks](const std::string& dir) {
+      ModelList none;
+      for (const auto& hook : hooks) hook(none, nullptr, dir);
+    };
+  }
+  if (automatic) config_.iteration(config_.iteration() + 1);
+  last_checkpoint_ = path;
+
+  ProcessGroup* channel = save_channel_.get();
+  Env* env = &env_;
+  auto write = [this, channel, env, rank, world, path, automatic, all, own, options, shared,
+                info, hooks, split_models](const std::vector<torchpoint::Component>& staged) {
+    // 1. The main process opens the checkpoint and runs its hooks.
+    std::unique_ptr<DirectorySave> save;
+    const std::string dir = channel->decided_by_main(
+        [&] {
+          save = std::make_unique<DirectorySave>(*env, path, all, options);
+          return save->temp_path();
+        },
+        "save_state_async(): opening the checkpoint directory");
+    const std::string about = fmt::format("save_state_async() of {}", path);
+    if (!hooks.empty()) {
+      std::exception_ptr failure;
+      try {
+        ModelList none;
+        if (rank != 0) {
+          for (const auto& hook : hooks) hook(none, nullptr, dir);
+        }
+      } catch (const std::exception&) {
+        failure = std::current_exception();
+      }
+      channel->agree(failure, about + ": the save hooks (nothing was committed)");
+      failure = nullptr;
+      try {
+        if (save) save->collect_hook_files();
+      } catch (const std::exception&) {
+        failure = std::current_exception();
+      }
+      channel->agree(failure, about + ": the files of the save hooks (nothing was committed)");
+    }
+    // 2. Every process writes its files.
+    Json reported = Json::array();
+    std::exception_ptr failure;
+    try {
+      std::vector<torchpoint::Component> mine(staged.begin(),
+                                              staged.begin() + static_cast<std::ptrdiff_t>(own));
+      std::vector<torchpoint::Component> models(
+          staged.begin() + static_cast<std::ptrdiff_t>(own), staged.end());
+      LinkSource link_source(*env, rank == 0 ? options.link_from : std::string());
+      std::vector<WrittenComponent> written =
+          write_components(*env, dir, mine, options, &link_source);
+      if (!models.empty()) {
+        LinkSource shared_link_source(*env, options.link_from);
+        for (WrittenComponent& f :
+             write_components(*env, dir, models, shared, &shared_link_source, {rank, world})) {
+          written.push_back(std::move(f));
+        }
+      }
+      for (const WrittenComponent& f : written) reported.push_back(f.to_json());
+    } catch (const std::exception&) {
+      failure = std::current_exception();
+    }
+    channel->agree(failure, about + " (nothing was committed)");
+    // 3. The main process commits with every process's report.
+    std::vector<std::string> reports =
+        channel->gather_strings(reported.dump(), 0, "save_state_async(): sending the files written");
+    channel->decided_by_main(
+        [&]() -> std::string {
+          std::vector<WrittenComponent> written;
+          for (int r = 0; r < world; ++r) {
+            for (const Json& f : Json::parse(reports[static_cast<std::size_t>(r)])) {
+              written.push_back(WrittenComponent::from_json(f, fmt::format("rank {}", r)));
+            }
+          }
+          if (split_models) sort_as_one_writer(written);
+          save->commit(written, info);
+          save.reset();  // releases the lock before retention takes it
+          if (automatic) apply_total_limit(path);
+          return "";
+        },
+        "save_state_async(): committing the checkpoint");
+  };
+  AsyncCheckpointer::StageFilter stage;
+  if (split_models) {
+    // Of the models, only the tensors this process writes.
+    std::unordered_set<std::string> model_names;
+    for (std::size_t i = own; i < files.size(); ++i) model_names.insert(files[i].name);
+    stage = [model_names = std::move(model_names), mine = std::move(my_model_tensors)](
+                const std::string& component, const std::string& tensor) {
+      return !model_names.count(component) || mine.count(component + "/" + tensor) > 0;
+    };
+  }
+  return async_->save_with(path, files, std::move(write), stage);
 }
 
 void Accelerator::wait_for_checkpoint() {
