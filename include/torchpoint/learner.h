@@ -549,6 +549,8 @@ class Learner {
 
  private:
   Container checkpoint_contents() const;
+  // With several processes: checkpoint_contents() and every process's part (packed, by rank).
+  Container contents_with_parts(const std::vector<std::string>& parts) const;
   template <typename M>
   static auto as_module(M& model) {
     if constexpr (requires { model.ptr(); }) {

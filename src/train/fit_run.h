@@ -36,6 +36,9 @@ struct FitRun {
   // its on_epoch_begin / on_train_begin.
   bool mid_epoch = false;
   std::optional<std::int64_t> resumed_after_epoch;
+  // The background saves' own connection to the other processes (made at the first one);
+  // outlives ctx, whose saver waits for the save in flight.
+  std::unique_ptr<ProcessGroup> save_channel;
   Context ctx;
 
   FitRun(std::size_t size, bool shuffle, std::uint64_t seed) : sampler(size, shuffle, seed) {}

@@ -315,26 +315,44 @@ void Learner::save_checkpoint(const std::string& path, Env* env) const {
       pack(process_part(*run_)), 0, fmt::format("save_checkpoint({}): every process's part", path));
   group.decided_by_main(
       [&] {
-        Container contents = checkpoint_contents();
-        StateDict state = StateDict::from_container(contents);
-        state.set("processes.count", static_cast<std::int64_t>(group.size()));
-        for (std::size_t r = 0; r < parts.size(); ++r) {
-          state.set_child(fmt::format("processes.{}", r), unpack(parts[r]));
-        }
-        save_file(path, state.to_container(), env_or_default(env));
+        save_file(path, contents_with_parts(parts), env_or_default(env));
         return std::string();
       },
       fmt::format("save_checkpoint({})", path));
 }
 
-SaveHandle Learner::save_checkpoint(const std::string& path, AsyncCheckpointer& saver) const {
-  if (run_ != nullptr && run_->group) {
-    throw Error(ErrorCode::Unsupported,
-                fmt::format("saving {} in the background runs on one process only for now: "
-                            "with several processes, save synchronously (async(false))",
-                            path));
+Container Learner::contents_with_parts(const std::vector<std::string>& parts) const {
+  StateDict state = StateDict::from_container(checkpoint_contents());
+  state.set("processes.count", static_cast<std::int64_t>(parts.size()));
+  for (std::size_t r = 0; r < parts.size(); ++r) {
+    state.set_child(fmt::format("processes.{}", r), unpack(parts[r]));
   }
-  return saver.save_file(path, checkpoint_contents());
+  return state.to_container();
+}
+
+SaveHandle Learner::save_checkpoint(const std::string& path, AsyncCheckpointer& saver) const {
+  if (run_ == nullptr || !run_->group) return saver.save_file(path, checkpoint_contents());
+  // Several processes: every process's part reaches the main process now (one small message
+  // each, as in a synchronous save), and the main process stages the one file. Its background
+  // thread writes it; every process's background thread learns the outcome from the main
+  // process over a store connection of the background saves' own, so that every handle (and the
+  // next save) gets the same error.
+  ProcessGroup& group = *run_->group;
+  std::vector<std::string> parts = group.gather_strings(
+      pack(process_part(*run_)), 0, fmt::format("save_checkpoint({}): every process's part", path));
+  if (!run_->save_channel) run_->save_channel = group.side_channel();
+  std::vector<Component> file;
+  if (group.rank() == 0) file.push_back({"learner", contents_with_parts(parts)});
+  ProcessGroup* channel = run_->save_channel.get();
+  Env* env = &env_or_default(run_->env);
+  return saver.save_with(path, file, [channel, env, path](const std::vector<Component>& staged) {
+    channel->decided_by_main(
+        [&] {
+          save_file(path, staged.at(0).contents, *env);
+          return std::string();
+        },
+        fmt::format("save_checkpoint({}) in the background", path));
+  });
 }
 
 Container Learner::checkpoint_contents() const {
