@@ -41,6 +41,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <string>
 
@@ -244,11 +245,11 @@ int main(int argc, char** argv) {
     };
     const long epochs = env_int("TORCHPOINT_TEST_EPOCHS", 3);
     tp::SaveHandle pending;  // the background save in flight
-    // Waits for it; logs what it cost, or its failure (each process gets the same outcome).
-    auto finish_async = [&] {
-      if (!in_save) return;
+    // Ends the save in flight: `finish` waits for it (and logs what it cost); a failure a fail
+    // plan caused is logged (each process gets the same outcome), then its calls are counted.
+    auto end_save = [&](const std::function<void()>& finish) {
       try {
-        pending.wait();
+        finish();
       } catch (const tp::Error& e) {
         if (plan.rfind("fail:", 0) != 0) throw;
         tp::testing::append_line(log, std::string("save_failed ") + e.what());
@@ -256,6 +257,9 @@ int main(int argc, char** argv) {
       env.clear_faults();
       in_save = false;
       tp::testing::append_line(log, fmt::format("save_ops {} {}", saves, ops_in_save.load()));
+    };
+    auto finish_async = [&] {
+      if (in_save) end_save([&] { pending.wait(); });
     };
     while (counters.epoch < epochs) {
       for (auto& b : *loader) {
@@ -314,7 +318,7 @@ int main(int argc, char** argv) {
           const double seconds_before =
               acc.process_group() ? acc.process_group()->store_seconds() : 0;
           const auto save_start = std::chrono::steady_clock::now();
-          try {
+          end_save([&] {
             acc.save_state();
             if (acc.process_group()) {
               // What this save cost this process in coordination: store requests, seconds in
@@ -330,13 +334,7 @@ int main(int argc, char** argv) {
               tp::testing::append_line(
                   log, fmt::format("save_bytes {} {}", saves, acc.last_save_bytes_written()));
             }
-          } catch (const tp::Error& e) {
-            if (plan.rfind("fail:", 0) != 0) throw;
-            tp::testing::append_line(log, std::string("save_failed ") + e.what());
-          }
-          env.clear_faults();
-          in_save = false;
-          tp::testing::append_line(log, fmt::format("save_ops {} {}", saves, ops_in_save.load()));
+          });
           if (counters.step == stop_step) return 0;
         }
       }

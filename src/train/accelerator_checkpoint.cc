@@ -252,6 +252,24 @@ Json Accelerator::zero_layouts(const std::vector<std::string>& names) const {
   return out;
 }
 
+namespace {
+
+// The files every rank reported writing (`reports`, by rank), in rank order, or, when the ranks
+// shared the models' files, in the order one writer would have listed them.
+std::vector<WrittenComponent> reported_files(const std::vector<std::string>& reports,
+                                             bool shared_models) {
+  std::vector<WrittenComponent> written;
+  for (std::size_t r = 0; r < reports.size(); ++r) {
+    for (const Json& f : Json::parse(reports[r])) {
+      written.push_back(WrittenComponent::from_json(f, fmt::format("rank {}", r)));
+    }
+  }
+  if (shared_models) sort_as_one_writer(written);
+  return written;
+}
+
+}  // namespace
+
 std::string Accelerator::save_state(const std::string& output_dir, bool overwrite) {
   wait_for_checkpoint();
   if (group_ && saves_per_node()) {
@@ -304,7 +322,6 @@ SaveHandle Accelerator::save_state_async_distributed(const std::string& output_d
   const bool split_models = zero_stage_ != 0;
 
   std::vector<torchpoint::Component> files;  // what this process writes: its own, then models
-  std::size_t own = 0;
   for (std::size_t i = 0; i < components_.size(); ++i) {
     if (rank == 0 && !(split_models && components_[i].kind == "model")) {
       files.push_back({names[i], components_[i].object.state_dict().to_container()});
@@ -312,7 +329,7 @@ SaveHandle Accelerator::save_state_async_distributed(const std::string& output_d
   }
   files.push_back({random_states_name(rank), rng_.state_dict().to_container()});
   for (auto& shard : zero_shards(names)) files.push_back(std::move(shard));
-  own = files.size();
+  const std::size_t own = files.size();
   SaveDirectoryOptions shared = options;
   std::unordered_set<std::string> my_model_tensors;
   if (split_models) {
@@ -407,14 +424,7 @@ SaveHandle Accelerator::save_state_async_distributed(const std::string& output_d
         channel->gather_strings(reported.dump(), 0, "save_state_async(): sending the files written");
     channel->decided_by_main(
         [&]() -> std::string {
-          std::vector<WrittenComponent> written;
-          for (int r = 0; r < world; ++r) {
-            for (const Json& f : Json::parse(reports[static_cast<std::size_t>(r)])) {
-              written.push_back(WrittenComponent::from_json(f, fmt::format("rank {}", r)));
-            }
-          }
-          if (split_models) sort_as_one_writer(written);
-          save->commit(written, info);
+          save->commit(reported_files(reports, split_models), info);
           save.reset();  // releases the lock before retention takes it
           if (automatic) apply_total_limit(path);
           return "";
@@ -689,13 +699,7 @@ std::string Accelerator::save_state_distributed(const std::string& output_dir, b
       group_->gather_strings(files.dump(), 0, "save_state(): sending the files written");
   group_->decided_by_main(
       [&]() -> std::string {
-        std::vector<WrittenComponent> written;
-        for (int r = 0; r < world; ++r) {
-          for (const Json& f : Json::parse(reports[static_cast<std::size_t>(r)])) {
-            written.push_back(WrittenComponent::from_json(f, fmt::format("rank {}", r)));
-          }
-        }
-        if (split_models) sort_as_one_writer(written);
+        std::vector<WrittenComponent> written = reported_files(reports, split_models);
         CheckpointInfo info;
         info.step = step_;
         info.iteration = config_.iteration() - (automatic ? 1 : 0);
