@@ -2,6 +2,7 @@
 // after every kill that the newest committed checkpoint loads, verifies and holds exactly the
 // state saved under its name, and that every save the child reported as committed survived.
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/stat.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -44,36 +45,62 @@ Child spawn(const std::string& root, std::uint64_t first) {
   return {pid, fds[0]};
 }
 
-// Reads lines until "ready"; returns false on EOF.
-bool wait_ready(int fd) {
-  std::string line;
-  char c;
-  while (::read(fd, &c, 1) == 1) {
-    if (c == '\n') {
-      if (line == "ready") return true;
+// Reads the child's stdout line by line, keeping the numbers it reports committed.
+class ChildOutput {
+ public:
+  explicit ChildOutput(int fd) : fd_(fd) {}
+
+  // Reads until a line equal to `want`, or (with want empty) until the next "committed N"
+  // line; false on EOF or after `timeout` without a line.
+  bool wait_for(const std::string& want, std::chrono::milliseconds timeout) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    std::string line;
+    char c;
+    while (true) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) return false;
+      struct pollfd p = {fd_, POLLIN, 0};
+      if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) return false;
+      if (::read(fd_, &c, 1) != 1) return false;
+      if (c != '\n') {
+        line += c;
+        continue;
+      }
+      bool commit = take(line);
+      if (want.empty() ? commit : line == want) return true;
       line.clear();
-    } else {
-      line += c;
     }
   }
-  return false;
-}
 
-// Everything the child printed after "ready": the numbers it reported committed.
-std::vector<std::uint64_t> drain_committed(int fd) {
-  std::string text;
-  char buf[4096];
-  ssize_t n;
-  while ((n = ::read(fd, buf, sizeof buf)) > 0) text.append(buf, n);
-  std::vector<std::uint64_t> out;
-  std::istringstream in(text);
-  std::string word;
-  std::uint64_t i;
-  while (in >> word) {
-    if (word == "committed" && in >> i) out.push_back(i);
+  // Everything left after the child died.
+  void drain() {
+    std::string text;
+    char buf[4096];
+    ssize_t n;
+    while ((n = ::read(fd_, buf, sizeof buf)) > 0) text.append(buf, n);
+    std::istringstream in(text);
+    std::string line;
+    while (std::getline(in, line)) take(line);
   }
-  return out;
-}
+
+  const std::vector<std::uint64_t>& committed() const { return committed_; }
+
+ private:
+  bool take(const std::string& line) {
+    std::istringstream in(line);
+    std::string word;
+    std::uint64_t i;
+    if (in >> word && word == "committed" && in >> i) {
+      committed_.push_back(i);
+      return true;
+    }
+    return false;
+  }
+
+  int fd_;
+  std::vector<std::uint64_t> committed_;
+};
 
 void expect_holds(const std::string& path, std::uint64_t i) {
   VerifyReport report = verify(path);
@@ -111,15 +138,23 @@ void sigkill_at_random_moments(int default_kills) {
   for (int k = 0; k < kills; ++k) {
     SCOPED_TRACE(fmt::format("kill {} of {}, seed {}", k + 1, kills, seed));
     Child child = spawn(root, next);
-    ASSERT_TRUE(wait_ready(child.out)) << "the child did not start";
-    // 0–40 ms into the save loop: before the first commit, mid-file, mid-rename, after commit.
-    // On a loaded machine saves are slower; the window widens while kills find no commit.
+    ChildOutput out(child.out);
+    ASSERT_TRUE(out.wait_for("ready", std::chrono::seconds(120))) << "the child did not start";
+    // Every other kill waits for the child's first commit of this run, so that half the kills
+    // land in a loop that has committed and is saving again, however slow the build (the
+    // sanitized one) or the machine; the others may also land before the first commit.
+    if (k % 2 == 1) {
+      ASSERT_TRUE(out.wait_for("", std::chrono::seconds(120))) << "the child committed nothing";
+    }
+    // Then 0–40 ms more: mid-file, mid-rename, after commit. On a loaded machine saves are
+    // slower; the window widens while kills find no commit.
     std::this_thread::sleep_for(std::chrono::microseconds(rng() % window_us));
     ::kill(child.pid, SIGKILL);
     int status = 0;
     ::waitpid(child.pid, &status, 0);
     ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "status " << status;
-    std::vector<std::uint64_t> reported = drain_committed(child.out);
+    out.drain();
+    const std::vector<std::uint64_t>& reported = out.committed();
     ::close(child.out);
     total_commits += reported.size();
     if (reported.empty()) window_us = std::min<std::uint64_t>(window_us * 3 / 2, 1'000'000);
@@ -155,8 +190,6 @@ void sigkill_at_random_moments(int default_kills) {
   std::printf("crash test: %d kills, %llu commits observed, newest checkpoint_%llu\n", kills,
               static_cast<unsigned long long>(total_commits),
               static_cast<unsigned long long>(next == 0 ? 0 : next - 1));
-  // Most kills must come after some commit, or the test would exercise little.
-  EXPECT_GT(total_commits, static_cast<std::uint64_t>(kills) / 3) << "kills came too early";
   // The next writer sweeps what the killed ones left behind.
   save_directory(join_path(root, checkpoint_name(next)), testing::crash_state(next), {},
                  Env::posix(),
