@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <array>
+#include <optional>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -865,15 +866,28 @@ void run_async_bench(const Options& options, const std::vector<State>& states,
 //
 // What load_state() does: the checkpoint's tensors end up in memory the model already has. For
 // each tensor state: pread of the same bytes straight into existing tensors (the machine's
-// limit); torchpoint::load_file_into (verified in full, then read into the tensors); and, for
-// comparison, torchpoint::load_file into new tensors followed by copy_; and "pread-twice", a cold
-// pread then a pread from the page cache, the floor of any load that verifies everything before
-// it changes anything. Cold: the page cache is dropped before each load. The order rotates.
+// limit); torchpoint::load_file_into, by default (one read into new memory, verified, which the
+// tensors' storages adopt) and with TORCHPOINT_LOAD_MEMORY=frugal (verified in full, then read
+// again into the tensors); and, for comparison, torchpoint::load_file into new tensors followed
+// by copy_; and "pread-twice", a cold pread then a pread from the page cache, the floor of a
+// load that verifies everything before it changes anything and allocates nothing of the file's
+// size (the frugal one). Cold: the page cache is dropped before each load. The order rotates.
+// The peak memory each load_file_into takes beyond what the model already holds is measured in
+// separate, untimed runs.
 
 struct IntoCase {
   std::string state;
   std::uint64_t bytes = 0;
-  std::vector<double> pread_s, into_s, copy_s, twice_s;
+  std::vector<double> pread_s, into_s, frugal_s, copy_s, twice_s;
+  std::int64_t into_peak_extra = 0, frugal_peak_extra = 0;  // bytes, untimed runs
+};
+
+// Sets TORCHPOINT_LOAD_MEMORY=frugal while it lives: load_file_into's two reads, nothing of
+// the file's size allocated, instead of one read into new memory the tensors adopt.
+class FrugalLoads {
+ public:
+  FrugalLoads() { ::setenv("TORCHPOINT_LOAD_MEMORY", "frugal", 1); }
+  ~FrugalLoads() { ::unsetenv("TORCHPOINT_LOAD_MEMORY"); }
 };
 
 IntoCase run_into_case(const State& s, const Options& options, const std::string& dir) {
@@ -912,8 +926,8 @@ IntoCase run_into_case(const State& s, const Options& options, const std::string
     close_or_throw(fd, raw);
   };
   for (int rep = 0; rep < options.reps; ++rep) {
-    for (int k = 0; k < 3; ++k) {
-      switch ((rep + k) % 3) {
+    for (int k = 0; k < 4; ++k) {
+      switch ((rep + k) % 4) {
         case 0:
           drop_page_cache(raw);
           c.pread_s.push_back(time_seconds(pread_all));
@@ -932,6 +946,13 @@ IntoCase run_into_case(const State& s, const Options& options, const std::string
           c.into_s.push_back(time_seconds([&] { torchpoint::load_file_into(file, model); }));
           if (rep == 0) check("load_file_into");
           break;
+        case 2: {
+          FrugalLoads frugal;
+          drop_page_cache(file);
+          c.frugal_s.push_back(time_seconds([&] { torchpoint::load_file_into(file, model); }));
+          if (rep == 0) check("load_file_into (frugal)");
+          break;
+        }
         default:
           drop_page_cache(file);
           c.copy_s.push_back(time_seconds([&] {
@@ -945,6 +966,15 @@ IntoCase run_into_case(const State& s, const Options& options, const std::string
       }
     }
   }
+  for (bool frugal : {false, true}) {
+    std::optional<FrugalLoads> mode;
+    if (frugal) mode.emplace();
+    drop_page_cache(file);
+    malloc_trim(0);
+    PeakMemory peak;
+    torchpoint::load_file_into(file, model);
+    (frugal ? c.frugal_peak_extra : c.into_peak_extra) = peak.finish().rss;
+  }
   remove_if_exists(file);
   remove_if_exists(raw);
   return c;
@@ -957,9 +987,11 @@ void run_into_bench(const Options& options, const std::vector<State>& states,
   fmt::print(table,
              "\nL: loads into existing memory (median of {} reps, cold; s and GB/s; floor: a "
              "cold pread, then a pread from the page cache, of the same bytes)\n"
-             "{:<5} | {:>14} | {:>7} | {:>17} | {:>10} | {:>10} | {:>24} | {:>10}\n",
+             "{:<5} | {:>14} | {:>7} | {:>17} | {:>10} | {:>10} | {:>17} | {:>12} | {:>24} | "
+             "{:>10} | {:>16}\n",
              options.reps, "state", "pread into", "floor", "load_file_into", "into/pread",
-             "into/floor", "load_file + copy_", "copy/pread");
+             "into/floor", "frugal", "frugal/floor", "load_file + copy_", "copy/pread",
+             "peak MiB: into, frugal");
   for (const IntoCase& c : cases) {
     double p = median(c.pread_s);
     double into = median(c.into_s);
@@ -975,10 +1007,15 @@ void run_into_bench(const Options& options, const std::vector<State>& states,
     for (const auto& [system, v] :
          {std::pair<const char*, const std::vector<double>*>{"pread", &c.pread_s},
           {"torchpoint", &c.into_s},
+          {"torchpoint-frugal", &c.frugal_s},
           {"torchpoint-copy", &c.copy_s},
           {"pread-twice", &c.twice_s}}) {
-      fmt::print(json, "{}\n",
-                 record(c.state, "load_into", system, *v, c.bytes, options.reps).dump());
+      auto line = record(c.state, "load_into", system, *v, c.bytes, options.reps);
+      if (system == std::string_view("torchpoint")) line["peak_extra_mib"] = c.into_peak_extra / kMiB;
+      if (system == std::string_view("torchpoint-frugal")) {
+        line["peak_extra_mib"] = c.frugal_peak_extra / kMiB;
+      }
+      fmt::print(json, "{}\n", line.dump());
     }
   }
 }

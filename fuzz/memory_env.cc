@@ -58,7 +58,7 @@ void MemoryEnv::add_file(const std::string& path, std::string_view bytes) {
 }
 
 std::unique_ptr<File> MemoryEnv::open(const std::string& path, OpenMode mode) {
-  if (mode != OpenMode::Read) read_only(path);
+  if (mode != OpenMode::Read && mode != OpenMode::ReadDirect) read_only(path);
   auto it = files_.find(path);
   if (it == files_.end()) throw Error(ErrorCode::NotFound, path + " does not exist");
   return std::make_unique<MemoryFile>(path, it->second);

@@ -126,6 +126,9 @@ class FaultFile final : public File {
     env_.before(Op::Size, path());
     return base_->size();
   }
+  double cached_fraction(std::uint64_t offset, std::uint64_t size) override {
+    return base_->cached_fraction(offset, size);
+  }
   std::shared_ptr<MappedRegion> map() override {
     env_.before(Op::Map, path());
     return base_->map();
@@ -291,7 +294,7 @@ void FaultEnv::move_tracking(const std::string& from, const std::string& to) {
 std::unique_ptr<File> FaultEnv::open(const std::string& path, OpenMode mode) {
   before(Op::Open, path);
   std::unique_ptr<File> file = base_.open(path, mode);
-  if (mode != OpenMode::Read) {
+  if (mode != OpenMode::Read && mode != OpenMode::ReadDirect) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       files_[path] = Tracked{};

@@ -1,6 +1,12 @@
 // load_file_into(): a container file read into tensors that already exist. Every failure of a
 // check leaves them as they were; a success fills them bit for bit, in place.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstring>
+
 #include "format/container.h"
+#include "format/fresh_read.h"
 #include "format/json_depth.h"
 #include "testing/fault_env.h"
 #include "testing/test_util.h"
@@ -51,6 +57,21 @@ NamedTensors clone_all(const NamedTensors& tensors) {
   return out;
 }
 
+// The two ways of loading into existing tensors: "fresh" (the default where memory allows: one
+// read into new memory, which the tensors adopt or are copied from) and "frugal" (two reads,
+// nothing of the file's size allocated). Sets TORCHPOINT_LOAD_MEMORY while it lives.
+class LoadMemory {
+ public:
+  explicit LoadMemory(bool frugal) {
+    if (frugal) {
+      ::setenv("TORCHPOINT_LOAD_MEMORY", "frugal", 1);
+    } else {
+      ::unsetenv("TORCHPOINT_LOAD_MEMORY");
+    }
+  }
+  ~LoadMemory() { ::unsetenv("TORCHPOINT_LOAD_MEMORY"); }
+};
+
 void expect_unchanged(const NamedTensors& now, const NamedTensors& before) {
   ASSERT_EQ(now.size(), before.size());
   for (std::size_t i = 0; i < now.size(); ++i) {
@@ -63,27 +84,148 @@ TEST(LoadInto, FillsExistingTensorsInPlaceBitForBit) {
   TempDir dir;
   Container c = varied_container();
   save_file(dir / "c.safetensors", c);
-  NamedTensors into = targets_like(c, 1);
-  std::vector<const void*> memory;
-  std::vector<std::uint32_t> versions;
-  for (const auto& [name, t] : into) {
-    memory.push_back(t.data_ptr());
-    versions.push_back(t._version());
+  for (bool frugal : {false, true}) {
+    SCOPED_TRACE(frugal ? "frugal" : "fresh");
+    LoadMemory mode(frugal);
+    NamedTensors into = targets_like(c, 1);
+    std::vector<const void*> memory;
+    std::vector<const c10::StorageImpl*> storages;
+    std::vector<std::uint32_t> versions;
+    for (const auto& [name, t] : into) {
+      memory.push_back(t.data_ptr());
+      storages.push_back(t.storage().unsafeGetStorageImpl());
+      versions.push_back(t._version());
+    }
+    // In another order than the file's: matched by name.
+    std::reverse(into.begin(), into.end());
+    std::reverse(memory.begin(), memory.end());
+    std::reverse(storages.begin(), storages.end());
+    std::reverse(versions.begin(), versions.end());
+    Json state = load_file_into(dir / "c.safetensors", into);
+    EXPECT_EQ(state, c.state);
+    for (std::size_t i = 0; i < into.size(); ++i) {
+      const auto& [name, t] = into[i];
+      const at::Tensor& saved = c.tensors[c.tensors.size() - 1 - i].second;
+      ASSERT_EQ(name, c.tensors[c.tensors.size() - 1 - i].first);
+      EXPECT_TRUE(bitwise_equal(t, saved)) << name;
+      EXPECT_EQ(t.storage().unsafeGetStorageImpl(), storages[i]) << name << " was replaced";
+      if (frugal || t.nbytes() < kAdoptFrom) {
+        EXPECT_EQ(t.data_ptr(), memory[i]) << name << ": its memory was replaced";
+      } else {
+        // The storage took the verified memory instead of a copy of it.
+        EXPECT_NE(t.data_ptr(), memory[i]) << name << " was copied, not adopted";
+      }
+      if (t.numel() > 0 || frugal) {
+        EXPECT_GT(t._version(), versions[i]) << name << ": its version counter was not bumped";
+      }
+    }
   }
-  // In another order than the file's: matched by name.
-  std::reverse(into.begin(), into.end());
-  std::reverse(memory.begin(), memory.end());
-  std::reverse(versions.begin(), versions.end());
-  Json state = load_file_into(dir / "c.safetensors", into);
-  EXPECT_EQ(state, c.state);
+}
+
+// A tensor whose memory is not its storage's own to give up (a caller's buffer, a slice of a
+// larger storage, a view) is copied into in place; one that owns its storage adopts the
+// verified memory, and every view made of it before the load sees the new values.
+TEST(LoadInto, AdoptsTheVerifiedMemoryOnlyWhereTheStorageIsTheTensorsOwn) {
+  TempDir dir;
+  const std::string path = dir / "m.safetensors";
+  at::Tensor w = make_tensor(at::kFloat, {256, 1024}, 1);  // 1 MiB
+  at::Tensor b = make_tensor(at::kFloat, {32 * 1024}, 2);
+  at::Tensor s = make_tensor(at::kFloat, {32 * 1024}, 3);
+  save_file(path, {{{"w", w}, {"b", b}, {"s", s}}});
+  at::Tensor own = at::zeros({256, 1024});
+  at::Tensor row = own[3];  // a view, made before the load
+  std::vector<float> buffer(32 * 1024, -1.0f);
+  at::Tensor blob = at::from_blob(buffer.data(), {32 * 1024});
+  at::Tensor big = at::full({3 * 32 * 1024}, 9.0f);
+  at::Tensor slice = big.narrow(0, 32 * 1024, 32 * 1024);
+  const void* own_before = own.data_ptr();
+  NamedTensors into = {{"w", own}, {"b", blob}, {"s", slice}};
+  load_file_into(path, into);
+  EXPECT_TRUE(bitwise_equal(own, w));
+  EXPECT_NE(own.data_ptr(), own_before) << "copied, not adopted";
+  EXPECT_TRUE(bitwise_equal(row, w[3])) << "a view made before the load sees old values";
+  EXPECT_EQ(blob.data_ptr(), buffer.data());
+  EXPECT_TRUE(bitwise_equal(blob, b));
+  EXPECT_EQ(std::memcmp(buffer.data(), b.data_ptr(), b.nbytes()), 0);
+  EXPECT_TRUE(bitwise_equal(slice, s));
+  EXPECT_TRUE(big.narrow(0, 0, 32 * 1024).eq(9.0f).all().item<bool>()) << "the slice's neighbours";
+  EXPECT_TRUE(big.narrow(0, 64 * 1024, 32 * 1024).eq(9.0f).all().item<bool>())
+      << "the slice's neighbours";
+  // Memory adopted once is adopted again by the next load, and lives on after it.
+  const void* adopted = own.data_ptr();
+  save_file(path, {{{"w", w.neg()}, {"b", b}, {"s", s}}});
+  load_file_into(path, into);
+  EXPECT_NE(own.data_ptr(), adopted);
+  EXPECT_TRUE(bitwise_equal(own, w.neg()));
+  EXPECT_TRUE(bitwise_equal(row, w[3].neg()));
+  at::Tensor kept = own.clone();
+  into.clear();
+  row = at::Tensor();
+  EXPECT_TRUE(bitwise_equal(own, kept));
+}
+
+// load_file() reads the file once; its large tensors keep pieces of that one allocation, yet
+// each lives on its own: freed, grown or written alone, and untouched by the file afterwards.
+TEST(LoadFile, LargeTensorsShareOneReadYetEachLivesAlone) {
+  TempDir dir;
+  const std::string path = dir / "m.safetensors";
+  at::Tensor a = make_tensor(at::kFloat, {64, 1024}, 1);  // 256 KiB
+  at::Tensor b = make_tensor(at::kDouble, {32, 1024}, 2);
+  at::Tensor small = make_tensor(at::kInt, {5}, 3);
+  save_file(path, {{{"a", a}, {"b", b}, {"small", small}}});
+  Container loaded = load_file(path);
+  testing::write_bytes(path, "overwritten");
+  ASSERT_EQ(loaded.tensors.size(), 3u);
+  at::Tensor la = loaded.tensors[0].second, lb = loaded.tensors[1].second;
+  EXPECT_TRUE(bitwise_equal(la, a));
+  EXPECT_TRUE(bitwise_equal(lb, b));
+  EXPECT_TRUE(bitwise_equal(loaded.tensors[2].second, small));
+  loaded.tensors.clear();
+  lb.add_(1);
+  EXPECT_TRUE(bitwise_equal(la, a)) << "a write to one tensor reached another";
+  lb.resize_({64, 1024});  // grows into new memory
+  EXPECT_TRUE(bitwise_equal(lb.narrow(0, 0, 32), b + 1));
+  la = at::Tensor();
+  EXPECT_TRUE(bitwise_equal(lb.narrow(0, 0, 32), b + 1));
+}
+
+// A file that is not in the page cache is read past it (O_DIRECT) and verified all the same.
+TEST(LoadInto, AColdFileIsReadPastThePageCacheAndVerified) {
+  TempDir dir;
+  Container c = varied_container();
+  const std::string path = dir / "c.safetensors";
+  save_file(path, c);
+  auto drop_cache = [&] {
+    int fd = ::open(path.c_str(), O_RDONLY);
+    ASSERT_GE(fd, 0);
+    ::fdatasync(fd);
+    ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    ::close(fd);
+  };
+  auto cached = [&] {
+    auto file = Env::posix().open(path, OpenMode::Read);
+    return file->cached_fraction(0, file->size());
+  };
+  drop_cache();
+  if (cached() > 0.1) GTEST_SKIP() << "this file system keeps the file cached";
+  int probe = ::open(path.c_str(), O_RDONLY | O_DIRECT);
+  if (probe < 0) GTEST_SKIP() << "this file system has no O_DIRECT";
+  ::close(probe);
+  NamedTensors into = targets_like(c, 4);
+  load_file_into(path, into);
   for (std::size_t i = 0; i < into.size(); ++i) {
-    const auto& [name, t] = into[i];
-    const at::Tensor& saved = c.tensors[c.tensors.size() - 1 - i].second;
-    ASSERT_EQ(name, c.tensors[c.tensors.size() - 1 - i].first);
-    EXPECT_TRUE(bitwise_equal(t, saved)) << name;
-    EXPECT_EQ(t.data_ptr(), memory[i]) << name << " was replaced, not filled";
-    EXPECT_GT(t._version(), versions[i]) << name << ": its version counter was not bumped";
+    ASSERT_TRUE(bitwise_equal(into[i].second, c.tensors[i].second)) << into[i].first;
   }
+  EXPECT_LT(cached(), 0.5) << "the load went through the page cache";
+  // A damaged byte in the middle of the big tensor, read cold: refused, nothing changed.
+  const std::uint64_t size = testing::file_size(path);
+  testing::flip_bit(path, size / 2, 1);
+  drop_cache();
+  NamedTensors fresh = targets_like(c, 6);
+  NamedTensors before = clone_all(fresh);
+  expect_error([&] { load_file_into(path, fresh); }, ErrorCode::Corruption,
+               {path, "tensor 'big' fails its checksum", "nothing was loaded"});
+  expect_unchanged(fresh, before);
 }
 
 TEST(LoadInto, FillsAModelsParametersSoItsOptimizerSeesThem) {
@@ -215,40 +357,50 @@ TEST(LoadInto, EveryReadFailingInTurnChangesNothingOrSaysSo) {
   const std::string path = dir / "c.safetensors";
   save_file(path, c);
   testing::FaultEnv env;
-  int failed_before_copy = 0, failed_during_copy = 0;
-  for (std::uint64_t n = 1;; ++n) {
-    SCOPED_TRACE(n);
-    ASSERT_LT(n, 500u) << "the load never succeeded";
-    NamedTensors into = targets_like(c, 5);
-    NamedTensors before = clone_all(into);
-    env.clear_faults();
-    env.fail_nth({testing::Op::Read, testing::Op::Open}, n, EIO);
-    try {
-      load_file_into(path, into, env);
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::IOError) << e.what();
-      if (std::string(e.what()).find("may hold part of it") != std::string::npos) {
-        ++failed_during_copy;
-      } else {
-        expect_unchanged(into, before);
-        ++failed_before_copy;
+  for (bool frugal : {false, true}) {
+    SCOPED_TRACE(frugal ? "frugal" : "fresh");
+    LoadMemory mode(frugal);
+    int failed_before_copy = 0, failed_during_copy = 0;
+    for (std::uint64_t n = 1;; ++n) {
+      SCOPED_TRACE(n);
+      ASSERT_LT(n, 500u) << "the load never succeeded";
+      NamedTensors into = targets_like(c, 5);
+      NamedTensors before = clone_all(into);
+      env.clear_faults();
+      env.fail_nth({testing::Op::Read, testing::Op::Open}, n, EIO);
+      try {
+        load_file_into(path, into, env);
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), ErrorCode::IOError) << e.what();
+        if (std::string(e.what()).find("may hold part of it") != std::string::npos) {
+          ++failed_during_copy;
+        } else {
+          expect_unchanged(into, before);
+          ++failed_before_copy;
+        }
+        continue;
       }
-      continue;
+      for (std::size_t i = 0; i < into.size(); ++i) {
+        ASSERT_TRUE(bitwise_equal(into[i].second, c.tensors[i].second)) << into[i].first;
+      }
+      break;
     }
-    for (std::size_t i = 0; i < into.size(); ++i) {
-      ASSERT_TRUE(bitwise_equal(into[i].second, c.tensors[i].second)) << into[i].first;
+    env.clear_faults();
+    if (frugal) {
+      EXPECT_GT(failed_before_copy, 10);  // the header, the second file and 12+ chunks
+      EXPECT_GT(failed_during_copy, 1);   // at least one read of each half
+    } else {
+      EXPECT_GE(failed_before_copy, 3);  // the open, the header, the data
+      EXPECT_EQ(failed_during_copy, 0);  // one read, all before anything changes
     }
-    break;
   }
-  env.clear_faults();
-  EXPECT_GT(failed_before_copy, 10);  // the header, the second file and 12+ chunks
-  EXPECT_GT(failed_during_copy, 1);   // at least one read of each half
 }
 
 // The second read is checked against the first: a file changed in between (another process
 // writing into it) is an error that says the tensors may hold part of it, never a silent load.
 TEST(LoadInto, AFileChangedBetweenTheTwoReadsIsCaught) {
   TempDir dir;
+  LoadMemory mode(/*frugal=*/true);
   Container c = varied_container();
   const std::string path = dir / "c.safetensors";
   save_file(path, c);
@@ -262,6 +414,24 @@ TEST(LoadInto, AFileChangedBetweenTheTwoReadsIsCaught) {
     testing::flip_bit(path, offset, 5);
     expect_error([&] { fill.copy(); }, ErrorCode::Corruption,
                  {path, "differ from what was verified", "may hold part of it"});
+  }
+}
+
+// With the one read, what was verified is what the tensors get: the file changing afterwards
+// changes nothing.
+TEST(LoadInto, AFileChangedAfterTheOneReadDoesNotReachTheTensors) {
+  TempDir dir;
+  LoadMemory mode(/*frugal=*/false);
+  Container c = varied_container();
+  const std::string path = dir / "c.safetensors";
+  save_file(path, c);
+  NamedTensors into = targets_like(c);
+  FileFill fill(Env::posix(), path, into);
+  ASSERT_TRUE(fill.fits());
+  testing::flip_bit(path, testing::file_size(path) / 2, 5);
+  fill.copy();
+  for (std::size_t i = 0; i < into.size(); ++i) {
+    ASSERT_TRUE(bitwise_equal(into[i].second, c.tensors[i].second)) << into[i].first;
   }
 }
 

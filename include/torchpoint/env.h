@@ -35,6 +35,7 @@ class MappedRegion {
 
 enum class OpenMode {
   Read,                   // O_RDONLY
+  ReadDirect,             // as Read, plus O_DIRECT: reads go to the device, not the page cache
   CreateExclusive,        // O_WRONLY | O_CREAT | O_EXCL: never reuses an existing file
   CreateExclusiveDirect,  // as CreateExclusive, plus O_DIRECT (bypass the page cache)
 };
@@ -57,6 +58,9 @@ class File {
   virtual std::uint64_t size() = 0;
   // Maps the whole file copy-on-write (MAP_PRIVATE): writes to the mapping never reach the file.
   virtual std::shared_ptr<MappedRegion> map() = 0;
+  // The share of the bytes [offset, offset + size) held in the page cache now, from 0 to 1:
+  // an estimate that may choose how to read, never what is read. The default answers 1.
+  virtual double cached_fraction(std::uint64_t offset, std::uint64_t size);
 
   const std::string& path() const { return path_; }
   // True when opened with O_DIRECT: buffers, offsets and sizes must be 4096-aligned.
@@ -98,8 +102,8 @@ class Env {
   // The process-wide POSIX implementation.
   static Env& posix();
 
-  // Opens `path`. CreateExclusiveDirect throws Unsupported when the file system refuses
-  // O_DIRECT (the caller falls back to CreateExclusive).
+  // Opens `path`. CreateExclusiveDirect and ReadDirect throw Unsupported when the file system
+  // refuses O_DIRECT (the caller falls back to CreateExclusive or Read).
   virtual std::unique_ptr<File> open(const std::string& path, OpenMode mode) = 0;
   // fsync of a directory, making the entries created, renamed or removed in it durable.
   virtual void sync_dir(const std::string& dir) = 0;

@@ -41,9 +41,11 @@ struct Container {
 //   torchpoint::save_file("weights.safetensors", {{{"w", torch::ones({2, 2})}}, {{"step", 7}}});
 void save_file(const std::string& path, const Container& contents, Env& env = Env::posix());
 
-// Reads, validates and checksums a whole container file into this process's memory: each
-// tensor owns its bytes, so nothing done to the file afterwards (overwritten, truncated,
-// deleted) changes or faults a returned tensor. Throws NotFound, Corruption (naming the file
+// Reads, validates and checksums a whole container file into this process's memory (one read,
+// straight from the device for a file not in the page cache, hashed as it lands): the tensors
+// own their bytes, so nothing done to the file afterwards (overwritten, truncated, deleted)
+// changes or faults a returned tensor. Tensors of 64 KiB or more share one allocation, each
+// giving its own pages back when it dies. Throws NotFound, Corruption (naming the file
 // and, for data, the tensor; also when the file changes size while being read), Incompatible (a
 // newer major format version) or Unsupported (a tensor that does not fit in memory). Nothing is
 // returned unless every check passed.
@@ -61,16 +63,25 @@ Container load_file_mapped(const std::string& path, Env& env = Env::posix());
 
 // Reads a container file into tensors that already exist, such as a model's parameters, in
 // place (optimizers and views keep seeing them). `into` must name exactly the file's tensors,
-// each with the file's dtype and shape; any device and layout (a contiguous CPU tensor is
-// filled straight from the file, any other through a copy). The file is verified in full first
-// (header, every checksum, its size), with no allocation of its size; only then are the bytes
-// read again, from the page cache, into the tensors, whose version counters are bumped as an
-// in-place op would. Returns the file's JSON state.
+// each with the file's dtype and shape; any device and layout. The file is verified in full
+// (header, every checksum, its size) before any tensor changes, and the version counters are
+// bumped as an in-place op would. Returns the file's JSON state.
+// Two ways, chosen per file:
+//  - One read (the default where the system's available memory holds twice the file): the
+//    data is read once into new memory, straight from the device for a file not in the page
+//    cache, and hashed as it lands. Then each CPU tensor of 64 KiB or more that is its
+//    storage's whole memory, from LibTorch's CPU allocator, has its storage take that memory
+//    (the tensor, its views and its optimizer see the new values; the old memory is freed, so
+//    the data pointer changes); every other tensor is copied into. Peak extra memory: the
+//    file's data, until the call returns. Nothing can fail once tensors begin to change.
+//  - Two reads (TORCHPOINT_LOAD_MEMORY=frugal, or too little memory): the file is verified with
+//    no allocation of its size, then read again, from the page cache, into the tensors'
+//    memory, a megabyte at a time checked against the first read. Only a file that becomes
+//    unreadable (IOError) or changes (Corruption: another process writing into it) between
+//    the two reads fails after the tensors began to change, and that error says they may hold
+//    part of the file.
 // After any failure of the checks (NotFound, Corruption, Incompatible naming every mismatch,
-// InvalidArgument for a name given twice) no tensor of `into` has changed. The second read is
-// checked too, a megabyte at a time against the first: only a file that becomes unreadable
-// (IOError) or changes (Corruption: another process writing into it) between the two reads
-// fails after the tensors began to change, and that error says they may hold part of the file.
+// InvalidArgument for a name given twice) no tensor of `into` has changed.
 //
 // Example:
 //   torchpoint::NamedTensors params;

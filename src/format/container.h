@@ -126,6 +126,8 @@ class FileFill {
   void copy();
 
  private:
+  void copy_fresh();
+
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

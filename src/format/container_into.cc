@@ -9,6 +9,8 @@
 // (docs/format.md has the measurements).
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <c10/core/CPUAllocator.h>
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -17,12 +19,14 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <string_view>
 #include <unordered_map>
 
 #include "format/checksum.h"
 #include "format/container.h"
+#include "format/fresh_read.h"
 
 namespace torchpoint {
 namespace {
@@ -34,6 +38,24 @@ constexpr std::uint64_t kThreadedFrom = 8 << 20;
 
 std::uint64_t data_size(const ContainerHeader& header) {
   return header.entries.empty() ? 0 : header.entries.back().end;
+}
+
+// Whether `t` can take over `size` verified bytes at `bytes` as its storage's memory, in place
+// of a copy: a CPU tensor that is its storage's whole memory, contiguous, held in memory from
+// LibTorch's CPU allocator or an earlier such load (not shared memory, a mapping, a caller's
+// blob or a lazy copy, whose owners expect that memory to stay).
+bool can_adopt(const at::Tensor& t, std::uint64_t size, const char* bytes,
+               std::size_t element_size) {
+  if (size < kAdoptFrom || !t.device().is_cpu() || t.layout() != at::kStrided || !t.is_contiguous() ||
+      t.is_conj() || t.is_neg() || t.storage_offset() != 0 || !t.has_storage()) {
+    return false;
+  }
+  if (reinterpret_cast<std::uintptr_t>(bytes) % element_size != 0) return false;
+  const c10::Storage& storage = t.storage();
+  if (storage.nbytes() != size) return false;
+  const c10::DataPtr& data = storage.data_ptr();
+  return data.get_deleter() == c10::GetCPUAllocator()->raw_deleter() ||
+         FreshData::adopted(data);
 }
 
 std::string shape_text(c10::IntArrayRef sizes) {
@@ -222,6 +244,7 @@ struct FileFill::Impl {
   ContainerHeader header;
   std::vector<at::Tensor> targets;  // by header entry: handles to the caller's tensors
   std::vector<std::uint64_t> chunk_sums;   // XXH3 of each kChunk of the data, from the first pass
+  std::optional<FreshData> fresh;         // the one-read way: the verified data, in memory
   bool fits = false;
   bool copied = false;
 };
@@ -299,6 +322,11 @@ FileFill::FileFill(Env& env, const std::string& path, const NamedTensors& into,
   }
 
   const std::uint64_t total = data_size(m.header);
+  if (fresh_memory_available(total)) {
+    m.fresh = FreshData::read(env, path, *m.file, m.header);
+    m.fits = true;
+    return;
+  }
   const bool threaded = total >= kThreadedFrom;
   // The second pass reads the halves on two threads, each through a file of its own (so that
   // each has its own read-ahead); opened now, while a failure still changes nothing.
@@ -329,6 +357,10 @@ void FileFill::copy() {
                             m.copied ? "already copied" : "the file does not fit the tensors"));
   }
   m.copied = true;
+  if (m.fresh) {
+    copy_fresh();
+    return;
+  }
   const ContainerHeader& header = m.header;
   // Where each tensor's bytes go: its own memory, or (not contiguous, not on the CPU) a
   // staging tensor copied in at the end. Staging is allocated before anything changes.
@@ -382,6 +414,39 @@ void FileFill::copy() {
   }
   at::NoGradGuard no_grad;
   for (auto& [target, staging] : staged) target->copy_(staging);
+}
+
+void FileFill::copy_fresh() {
+  Impl& m = *impl_;
+  const ContainerHeader& header = m.header;
+  std::vector<c10::DataPtr> replaced;  // the tensors' old memory, freed once all moved
+  replaced.reserve(header.entries.size());
+  std::vector<std::pair<at::Tensor*, at::Tensor>> staged;
+  for (std::size_t k = 0; k < header.entries.size(); ++k) {
+    const TensorEntry& e = header.entries[k];
+    at::Tensor& t = m.targets[k];
+    char* bytes = m.fresh->bytes(e);
+    const std::uint64_t size = e.end - e.begin;
+    if (can_adopt(t, size, bytes, e.dtype.size)) {
+      // The storage itself takes the verified memory: every view of it, and every optimizer
+      // holding the tensor, sees the new values, as after an in-place copy.
+      replaced.push_back(t.storage().unsafeGetStorageImpl()->set_data_ptr(m.fresh->adopt(e)));
+    } else if (t.device().is_cpu() && t.is_contiguous() && !t.is_conj() && !t.is_neg()) {
+      if (size > 0) std::memcpy(t.data_ptr(), bytes, size);
+    } else {
+      staged.emplace_back(&t, at::from_blob(bytes, e.shape, at::TensorOptions().dtype(e.dtype.type)));
+      continue;
+    }
+    // Written behind autograd's back: bump the version counter as an in-place op would, so
+    // that a graph that saved this tensor refuses to backpropagate through old values.
+    if (!t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
+  }
+  {
+    at::NoGradGuard no_grad;
+    for (auto& [target, view] : staged) target->copy_(view);
+  }
+  replaced.clear();
+  m.fresh.reset();  // gives back the memory of what was copied rather than adopted
 }
 
 Json load_file_into(const std::string& path, const NamedTensors& into, Env& env) {

@@ -2,6 +2,7 @@
 // before it is used, and no allocation is sized by a number that was not checked first.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <c10/core/CPUAllocator.h>
 #include <fmt/format.h>
 #include <simdjson.h>
 
@@ -15,6 +16,7 @@
 #include "compat/torch_compat.h"
 #include "format/checksum.h"
 #include "format/container.h"
+#include "format/fresh_read.h"
 #include "format/json_depth.h"
 #include "format/ordered_json.h"
 #include "io/filename.h"
@@ -685,6 +687,18 @@ std::uint64_t checksum_range(File& file, std::uint64_t offset, std::uint64_t siz
   return stream.digest();
 }
 
+// A new tensor for entry `e`; Unsupported when it does not fit in memory.
+static at::Tensor empty_tensor(const TensorEntry& e, std::uint64_t size, const std::string& path) {
+  try {
+    return at::empty(e.shape, at::TensorOptions().dtype(e.dtype.type));
+  } catch (const std::exception&) {  // c10::Error (out of memory) or std::bad_alloc
+    throw Error(ErrorCode::Unsupported,
+                fmt::format("{}: tensor '{}' ({} bytes) does not fit in this process's memory: "
+                            "free memory, or read tensors one at a time with TensorFileReader",
+                            path, e.name, size));
+  }
+}
+
 Container load_file(const std::string& path, Env& env) {
   return load_container(env, path, nullptr);
 }
@@ -710,23 +724,41 @@ Container load_container_part(Env& env, const std::string& path, const TensorFil
   }
   if (bytes_read != nullptr) *bytes_read = read;
 
-  // Each tensor is read straight into memory of its own: nothing returned shares pages with
-  // the file, so nothing the file goes through afterwards can change or fault a tensor.
+  // Each tensor is read into memory of its own, never a mapping of the file: nothing the file
+  // goes through afterwards can change or fault a tensor.
   Problems throwing;
   std::vector<at::Tensor> tensors(header.entries.size());
+  if (!keep) {
+    // The whole file: one read into new memory, hashed as it lands (fresh_read.h); large
+    // tensors keep their piece of it, small ones are copied out so that it can go.
+    FreshData fresh = FreshData::read(env, path, *file, header);
+    for (std::size_t i = 0; i < header.entries.size(); ++i) {
+      const TensorEntry& e = header.entries[i];
+      const std::uint64_t size = e.end - e.begin;
+      const char* bytes = fresh.bytes(e);
+      auto options = at::TensorOptions().dtype(e.dtype.type);
+      if (size >= kAdoptFrom && reinterpret_cast<std::uintptr_t>(bytes) % e.dtype.size == 0) {
+        c10::Storage storage(c10::Storage::use_byte_size_t(), static_cast<std::int64_t>(size),
+                             fresh.adopt(e), c10::GetCPUAllocator(), /*resizable=*/true);
+        tensors[i] = at::empty({0}, options).set_(storage, 0, e.shape);
+      } else {
+        tensors[i] = empty_tensor(e, size, path);
+        if (size > 0) std::memcpy(tensors[i].data_ptr(), bytes, size);
+      }
+    }
+    Container out;
+    out.state = std::move(header.state);
+    out.tensors.reserve(header.entries.size());
+    for (std::size_t i : header.caller_order) {
+      out.tensors.emplace_back(header.entries[i].name, std::move(tensors[i]));
+    }
+    return out;
+  }
   for (std::size_t i = 0; i < header.entries.size(); ++i) {
     if (!kept[i]) continue;
     const TensorEntry& e = header.entries[i];
     std::uint64_t size = e.end - e.begin;
-    at::Tensor t;
-    try {
-      t = at::empty(e.shape, at::TensorOptions().dtype(e.dtype.type));
-    } catch (const std::exception&) {  // c10::Error (out of memory) or std::bad_alloc
-      throw Error(ErrorCode::Unsupported,
-                  fmt::format("{}: tensor '{}' ({} bytes) does not fit in this process's memory: "
-                              "free memory, or read tensors one at a time with TensorFileReader",
-                              path, e.name, size));
-    }
+    at::Tensor t = empty_tensor(e, size, path);
     file->read_exact(t.data_ptr(), size, header.data_start + e.begin);
     if (!header.foreign) {
       std::uint64_t actual = xxh3(t.data_ptr(), size);

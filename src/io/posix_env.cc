@@ -9,6 +9,7 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <vector>
 
 #include "io/posix_error.h"
 #include "torchpoint/env.h"
@@ -97,6 +98,25 @@ class PosixFile final : public File {
     return std::make_shared<PosixMappedRegion>(addr, n);
   }
 
+  double cached_fraction(std::uint64_t offset, std::uint64_t size) override {
+    const std::uint64_t page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+    const std::uint64_t first = offset / page * page;
+    const std::uint64_t length = offset + size - first;
+    if (size == 0) return 1.0;
+    // A mapping that is never touched, only asked which of its pages are resident.
+    void* addr = ::mmap(nullptr, length, PROT_READ, MAP_PRIVATE, fd_, static_cast<off_t>(first));
+    if (addr == MAP_FAILED) return 1.0;  // only an estimate: "cached" asks for nothing special
+    std::vector<unsigned char> resident((length + page - 1) / page);
+    double fraction = 1.0;
+    if (::mincore(addr, length, resident.data()) == 0) {
+      std::size_t in = 0;
+      for (unsigned char r : resident) in += r & 1;
+      fraction = static_cast<double>(in) / static_cast<double>(resident.size());
+    }
+    ::munmap(addr, length);
+    return fraction;
+  }
+
  private:
   int fd_;
 };
@@ -148,6 +168,10 @@ class PosixEnv final : public Env {
         // changes nothing.
         flags |= O_RDONLY | O_NONBLOCK;
         break;
+      case OpenMode::ReadDirect:
+        flags |= O_RDONLY | O_NONBLOCK | O_DIRECT;
+        direct = true;
+        break;
       case OpenMode::CreateExclusive:
         flags |= O_WRONLY | O_CREAT | O_EXCL;
         break;
@@ -168,7 +192,7 @@ class PosixEnv final : public Env {
       }
       throw posix_error(fmt::format("open of {}", path), errno);
     }
-    if (mode == OpenMode::Read) require_regular(fd, path, "a checkpoint file");
+    if (mode == OpenMode::Read || mode == OpenMode::ReadDirect) require_regular(fd, path, "a checkpoint file");
     return std::make_unique<PosixFile>(path, fd, direct);
   }
 

@@ -20,6 +20,7 @@
 #include "format/zero_shards.h"
 #include "format/directory_fill.h"
 #include "format/directory_save.h"
+#include "format/fresh_read.h"
 #include "format/shards.h"
 #include "io/atomic_commit.h"
 #include "io/filename.h"
@@ -1108,6 +1109,9 @@ void Accelerator::Loading::read() {
       }
       return nullptr;
     };
+    // Processes of one node read the same files at once: through the page cache, the device
+    // is read once for all of them.
+    SharedReads shared(acc.group_ && acc.group_->local_size() > 1);
     loaded = load_directory_filling(path, acc.env_, fill, skip, part);
     report.bytes_read = loaded.bytes_read;
     assemble_zero();
