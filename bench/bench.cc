@@ -997,10 +997,12 @@ void run_into_bench(const Options& options, const std::vector<State>& states,
     double into = median(c.into_s);
     fmt::print(table,
                "{:<5} | {:>7.3f} {:>6} | {:>7.3f} | {:>10.3f} {:>6} | {:>10.2f} | {:>10.2f} | "
-               "{:>17.3f} {:>6} | {:>10.2f}\n",
+               "{:>10.3f} {:>6} | {:>12.2f} | {:>17.3f} {:>6} | {:>10.2f} | {:>8} {:>7}\n",
                c.state, p, gbps(c.bytes, p), median(c.twice_s), into, gbps(c.bytes, into),
-               into / p, into / median(c.twice_s), median(c.copy_s),
-               gbps(c.bytes, median(c.copy_s)), median(c.copy_s) / p);
+               into / p, into / median(c.twice_s), median(c.frugal_s),
+               gbps(c.bytes, median(c.frugal_s)), median(c.frugal_s) / median(c.twice_s),
+               median(c.copy_s), gbps(c.bytes, median(c.copy_s)), median(c.copy_s) / p,
+               mib(c.into_peak_extra), mib(c.frugal_peak_extra));
   }
   if (json == nullptr) return;
   for (const IntoCase& c : cases) {
