@@ -8,7 +8,9 @@
 # (scripts/venv.sh). Also runs N processes that each save and load a checkpoint of their own at
 # the same time ("independent": what the machine charges for N processes doing that work at once,
 # with no coordination), and prints memcpy of the checkpoint's bytes in every process at once: how
-# the machine's memory serves several processes.
+# the machine's memory serves several processes; and a cold pread of every file of the checkpoint
+# in every process at once, the floor of a load on that many processes (the disk read once, each
+# process copying every byte).
 #
 # --zero: the sharded training state of issue 40. S2 with Adam on 1, 2 and 4 processes at ZeRO
 # stages 0, 1 and 2, torchpoint's save_state/load_state against torch.distributed.checkpoint
@@ -50,7 +52,7 @@ if ((zero)); then
     for n in 1 2 4; do
       for stage in 0 1 2; do
         torchrun "$n" --no-python "$bench" --dir "$dir/tp" --reps "$reps" --json \
-          --zero-stage "$stage" "${quick[@]}" | grep -v '"memcpy"' | tee -a "$out"
+          --zero-stage "$stage" "${quick[@]}" | grep -v -e '"memcpy"' -e '"pread"' | tee -a "$out"
         if [[ $n == 4 && $stage == 1 ]] || [[ $n == 2 && $stage == 2 ]]; then
           rm -rf "$dir/tp_saved_${n}_$stage"
           mv "$(ls -d "$dir"/tp/checkpoints/checkpoint_* | sort -V | tail -n 1)" \
@@ -135,11 +137,11 @@ n = int(sys.argv[2])
 def med(op, processes, system):
     return statistics.median(r["seconds"] for r in rows if r["op"] == op and
                              r["processes"] == processes and r["system"] in system)
-for op in ("accelerator_save", "accelerator_load", "memcpy"):
-    one = med(op, 1, ("torchpoint", "memcpy"))
-    many = med(op, n, ("torchpoint", "memcpy"))
+for op in ("accelerator_save", "accelerator_load", "memcpy", "pread"):
+    one = med(op, 1, ("torchpoint", "memcpy", "pread"))
+    many = med(op, n, ("torchpoint", "memcpy", "pread"))
     line = f"S2 {op}: 1 process {one:.3f} s, {n} processes {many:.3f} s, ratio {many / one:.2f}"
-    if op != "memcpy":
+    if op not in ("memcpy", "pread"):
         alone = med(op, n, ("independent",))
         line += f"; {n} processes each alone {alone:.3f} s ({alone / one:.2f})"
     print(line)
