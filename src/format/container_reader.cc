@@ -726,7 +726,6 @@ Container load_container_part(Env& env, const std::string& path, const TensorFil
 
   // Each tensor is read into memory of its own, never a mapping of the file: nothing the file
   // goes through afterwards can change or fault a tensor.
-  Problems throwing;
   std::vector<at::Tensor> tensors(header.entries.size());
   if (!keep) {
     // The whole file: one read into new memory, hashed as it lands (fresh_read.h); large
@@ -736,42 +735,37 @@ Container load_container_part(Env& env, const std::string& path, const TensorFil
       const TensorEntry& e = header.entries[i];
       const std::uint64_t size = e.end - e.begin;
       const char* bytes = fresh.bytes(e);
-      auto options = at::TensorOptions().dtype(e.dtype.type);
       if (size >= kAdoptFrom && reinterpret_cast<std::uintptr_t>(bytes) % e.dtype.size == 0) {
         c10::Storage storage(c10::Storage::use_byte_size_t(), static_cast<std::int64_t>(size),
                              fresh.adopt(e), c10::GetCPUAllocator(), /*resizable=*/true);
-        tensors[i] = at::empty({0}, options).set_(storage, 0, e.shape);
+        tensors[i] =
+            at::empty({0}, at::TensorOptions().dtype(e.dtype.type)).set_(storage, 0, e.shape);
       } else {
         tensors[i] = empty_tensor(e, size, path);
         if (size > 0) std::memcpy(tensors[i].data_ptr(), bytes, size);
       }
     }
-    Container out;
-    out.state = std::move(header.state);
-    out.tensors.reserve(header.entries.size());
-    for (std::size_t i : header.caller_order) {
-      out.tensors.emplace_back(header.entries[i].name, std::move(tensors[i]));
-    }
-    return out;
-  }
-  for (std::size_t i = 0; i < header.entries.size(); ++i) {
-    if (!kept[i]) continue;
-    const TensorEntry& e = header.entries[i];
-    std::uint64_t size = e.end - e.begin;
-    at::Tensor t = empty_tensor(e, size, path);
-    file->read_exact(t.data_ptr(), size, header.data_start + e.begin);
-    if (!header.foreign) {
-      std::uint64_t actual = xxh3(t.data_ptr(), size);
-      if (actual != e.checksum) {
-        throwing.add(
-            fmt::format("{}: tensor '{}' fails its checksum (stored {}, computed {}): its "
-                        "data is corrupt",
-                        path, e.name, checksum_hex(e.checksum), checksum_hex(actual)));
+  } else {
+    Problems throwing;
+    for (std::size_t i = 0; i < header.entries.size(); ++i) {
+      if (!kept[i]) continue;
+      const TensorEntry& e = header.entries[i];
+      std::uint64_t size = e.end - e.begin;
+      at::Tensor t = empty_tensor(e, size, path);
+      file->read_exact(t.data_ptr(), size, header.data_start + e.begin);
+      if (!header.foreign) {
+        std::uint64_t actual = xxh3(t.data_ptr(), size);
+        if (actual != e.checksum) {
+          throwing.add(
+              fmt::format("{}: tensor '{}' fails its checksum (stored {}, computed {}): its "
+                          "data is corrupt",
+                          path, e.name, checksum_hex(e.checksum), checksum_hex(actual)));
+        }
       }
+      tensors[i] = std::move(t);
     }
-    tensors[i] = std::move(t);
+    check_size_unchanged(*file, header, path, "read", throwing);
   }
-  check_size_unchanged(*file, header, path, "read", throwing);
 
   Container out;
   out.state = std::move(header.state);

@@ -283,10 +283,9 @@ FreshData FreshData::read(Env& env, const std::string& path, File& file,
     landed = block->first;
   } else if (total > 0) {
     std::uint64_t got = 0;
-    const std::uint64_t size = data_end - header.data_start;
-    char* to = out.bytes(header.entries.front()) - header.entries.front().begin;
-    while (got < size) {
-      std::size_t n = source.read_at(to + got, size - got, header.data_start + got);
+    char* to = block->base + (header.data_start - block->first);
+    while (got < total) {
+      std::size_t n = source.read_at(to + got, total - got, header.data_start + got);
       if (n == 0) break;
       got += n;
     }
