@@ -1013,7 +1013,9 @@ void run_into_bench(const Options& options, const std::vector<State>& states,
           {"torchpoint-copy", &c.copy_s},
           {"pread-twice", &c.twice_s}}) {
       auto line = record(c.state, "load_into", system, *v, c.bytes, options.reps);
-      if (system == std::string_view("torchpoint")) line["peak_extra_mib"] = c.into_peak_extra / kMiB;
+      if (system == std::string_view("torchpoint")) {
+        line["peak_extra_mib"] = c.into_peak_extra / kMiB;
+      }
       if (system == std::string_view("torchpoint-frugal")) {
         line["peak_extra_mib"] = c.frugal_peak_extra / kMiB;
       }

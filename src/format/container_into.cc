@@ -1,12 +1,13 @@
 // load_file_into(): a container file read into tensors that already exist, verified in full
 // before any of them changes.
 //
-// Two passes over the file. The first reads it in 1 MiB chunks into a few reused buffers on one
-// thread while the calling thread hashes them, so that checking every checksum costs about one
-// read of the file and allocates nothing of its size. The second reads the same bytes again,
-// now from the page cache, straight into the tensors' memory, on two threads. A load into new
-// tensors instead touches fresh pages, which costs more on most machines than the second read
-// (docs/format.md has the measurements).
+// By default one read (FreshData, fresh_read.h): the file's data into new memory, hashed as it
+// lands; then the tensors' storages adopt that memory or are copied from it. Where the memory
+// is short (fresh_memory_available), two passes instead. The first reads the file in 1 MiB
+// chunks into a few reused buffers on one thread while the calling thread hashes them, so that
+// checking every checksum costs about one read of the file and allocates nothing of its size.
+// The second reads the same bytes again, now from the page cache, straight into the tensors'
+// memory, on two threads.
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
@@ -46,8 +47,9 @@ std::uint64_t data_size(const ContainerHeader& header) {
 // blob or a lazy copy, whose owners expect that memory to stay).
 bool can_adopt(const at::Tensor& t, std::uint64_t size, const char* bytes,
                std::size_t element_size) {
-  if (size < kAdoptFrom || !t.device().is_cpu() || t.layout() != at::kStrided || !t.is_contiguous() ||
-      t.is_conj() || t.is_neg() || t.storage_offset() != 0 || !t.has_storage()) {
+  if (size < kAdoptFrom || !t.device().is_cpu() || t.layout() != at::kStrided ||
+      !t.is_contiguous() || t.is_conj() || t.is_neg() || t.storage_offset() != 0 ||
+      !t.has_storage()) {
     return false;
   }
   if (reinterpret_cast<std::uintptr_t>(bytes) % element_size != 0) return false;
@@ -434,7 +436,8 @@ void FileFill::copy_fresh() {
     } else if (t.device().is_cpu() && t.is_contiguous() && !t.is_conj() && !t.is_neg()) {
       if (size > 0) std::memcpy(t.data_ptr(), bytes, size);
     } else {
-      staged.emplace_back(&t, at::from_blob(bytes, e.shape, at::TensorOptions().dtype(e.dtype.type)));
+      staged.emplace_back(&t,
+                          at::from_blob(bytes, e.shape, at::TensorOptions().dtype(e.dtype.type)));
       continue;
     }
     // Written behind autograd's back: bump the version counter as an in-place op would, so

@@ -99,10 +99,10 @@ class PosixFile final : public File {
   }
 
   double cached_fraction(std::uint64_t offset, std::uint64_t size) override {
+    if (size == 0) return 1.0;
     const std::uint64_t page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
     const std::uint64_t first = offset / page * page;
     const std::uint64_t length = offset + size - first;
-    if (size == 0) return 1.0;
     // A mapping that is never touched, only asked which of its pages are resident.
     void* addr = ::mmap(nullptr, length, PROT_READ, MAP_PRIVATE, fd_, static_cast<off_t>(first));
     if (addr == MAP_FAILED) return 1.0;  // only an estimate: "cached" asks for nothing special
@@ -192,7 +192,9 @@ class PosixEnv final : public Env {
       }
       throw posix_error(fmt::format("open of {}", path), errno);
     }
-    if (mode == OpenMode::Read || mode == OpenMode::ReadDirect) require_regular(fd, path, "a checkpoint file");
+    if (mode == OpenMode::Read || mode == OpenMode::ReadDirect) {
+      require_regular(fd, path, "a checkpoint file");
+    }
     return std::make_unique<PosixFile>(path, fd, direct);
   }
 
