@@ -145,4 +145,16 @@ for op in ("accelerator_save", "accelerator_load", "memcpy", "pread"):
         alone = med(op, n, ("independent",))
         line += f"; {n} processes each alone {alone:.3f} s ({alone / one:.2f})"
     print(line)
+# The cores' floor: the CPU time the processes' loads take together, spread over every core.
+import os
+def cpu(processes):
+    return statistics.median(sum(r["cpu_seconds_per_rank"]) for r in rows
+                             if r["op"] == "accelerator_load" and r["processes"] == processes
+                             and r["system"] == "torchpoint" and "cpu_seconds_per_rank" in r)
+cores = os.cpu_count()
+one_wall = med("accelerator_load", 1, ("torchpoint",))
+one_cpu, many_cpu = cpu(1), cpu(n)
+print(f"S2 accelerator_load CPU time: 1 process {one_cpu:.3f} CPU-s ({one_cpu / one_wall:.2f} "
+      f"cores busy), {n} processes {many_cpu:.3f} CPU-s together; on {cores} cores that takes at "
+      f"least {many_cpu / cores:.3f} s, {many_cpu / cores / one_wall:.2f}x one process's load")
 PY

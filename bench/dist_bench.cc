@@ -14,6 +14,7 @@
 // checkpoint of its own, alone, in PATH/rank_<r>, timed between the same barriers: what so many
 // processes doing the same work at once cost the machine, with no coordination.
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <torch/torch.h>
@@ -149,6 +150,16 @@ std::vector<std::uint64_t> per_rank(tp::ProcessGroup* group, std::uint64_t mine)
   return out;
 }
 
+// The CPU time this process has used (every thread, user and system), in microseconds.
+std::uint64_t cpu_microseconds() {
+  rusage usage{};
+  ::getrusage(RUSAGE_SELF, &usage);
+  auto us = [](const timeval& t) {
+    return static_cast<std::uint64_t>(t.tv_sec) * 1000000 + static_cast<std::uint64_t>(t.tv_usec);
+  };
+  return us(usage.ru_utime) + us(usage.ru_stime);
+}
+
 // Element-wise maximum over the repetitions of each rank's value.
 void keep_max(std::vector<std::uint64_t>& into, const std::vector<std::uint64_t>& values) {
   if (into.empty()) into.assign(values.size(), 0);
@@ -192,6 +203,7 @@ int run(const Options& o) {
 
   std::vector<double> save_seconds, load_seconds;
   std::vector<std::uint64_t> written, read, save_messages, load_messages;
+  std::vector<std::vector<double>> load_cpu;  // by rank, each repetition's CPU seconds
   std::string newest = o.load_from;
   int saved_processes = 0;
   if (o.load_from.empty()) {
@@ -210,7 +222,11 @@ int run(const Options& o) {
     if (owner && !o.hot) evict(newest);
     tp::LoadStateReport report;
     const std::uint64_t before = store_requests();
+    const std::uint64_t cpu_before = cpu_microseconds();
     load_seconds.push_back(timed(group.get(), [&] { report = accelerator.load_state(newest); }));
+    const std::vector<std::uint64_t> cpu = per_rank(timing, cpu_microseconds() - cpu_before);
+    load_cpu.resize(cpu.size());
+    for (std::size_t r = 0; r < cpu.size(); ++r) load_cpu[r].push_back(1e-6 * cpu[r]);
     keep_max(load_messages, per_rank(timing, store_requests() - before));
     keep_max(read, per_rank(timing, report.bytes_read));
     saved_processes = report.saved_world_size;
@@ -275,6 +291,11 @@ int run(const Options& o) {
         out["store_messages"] = save_messages;
       } else if (op == "accelerator_load") {
         out["bytes_read_per_rank"] = read;
+        // The CPU time of each process's load (median): what the processes of one machine ask
+        // of its cores together, the floor of a load that is not waiting for the disk.
+        std::vector<double> cpu;
+        for (const std::vector<double>& rank_cpu : load_cpu) cpu.push_back(median(rank_cpu));
+        out["cpu_seconds_per_rank"] = cpu;
         out["store_messages"] = load_messages;
         out["saved_processes"] = saved_processes;
       }

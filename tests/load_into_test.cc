@@ -11,6 +11,7 @@
 #include "testing/fault_env.h"
 #include "testing/test_util.h"
 #include "torchpoint/error.h"
+#include "torchpoint/optimizer_state.h"
 #include "torchpoint/tensor_file.h"
 
 namespace torchpoint {
@@ -243,6 +244,59 @@ TEST(LoadInto, FillsAModelsParametersSoItsOptimizerSeesThem) {
   EXPECT_TRUE(model->weight.requires_grad());
   // The optimizer holds the same tensors, so it steps from the loaded values.
   EXPECT_EQ(sgd.param_groups()[0].params()[0].data_ptr(), model->weight.data_ptr());
+}
+
+// An optimizer restored from a loaded state takes the moments load_file read into memory of
+// their own (the parameter's dtype) instead of copying them; small ones, and a mapped file's,
+// are copied. Either way it steps on exactly as an optimizer given copies of the same state.
+TEST(LoadFile, AnOptimizerTakesTheLoadedStateItCanInsteadOfACopy) {
+  TempDir dir;
+  torch::manual_seed(5);
+  torch::nn::Linear saved_model(256, 256);  // weight 256 KiB, adopted; bias 1 KiB, copied
+  torch::optim::Adam saved_adam(saved_model->parameters(), 0.01);
+  auto step = [](torch::nn::Linear& m, torch::optim::Optimizer& opt, int seed) {
+    torch::manual_seed(seed);
+    opt.zero_grad();
+    m->forward(torch::randn({8, 256})).square().sum().backward();
+    opt.step();
+  };
+  step(saved_model, saved_adam, 1);
+  const std::string path = dir / "adam.safetensors";
+  save_file(path, optimizer_state_dict(saved_adam).to_container());
+  // The saved run as it was at the save, and its optimizer state as plain copies.
+  auto restored = [&](const StateDict& state) {
+    torch::nn::Linear m(256, 256);
+    torch::NoGradGuard no_grad;
+    m->weight.copy_(saved_model->weight);
+    m->bias.copy_(saved_model->bias);
+    auto opt = std::make_shared<torch::optim::Adam>(m->parameters(), 0.01);
+    load_optimizer_state_dict(*opt, state);
+    return std::pair(m, opt);
+  };
+  StateDict copies = optimizer_state_dict(saved_adam).clone();
+  for (bool mapped : {false, true}) {
+    SCOPED_TRACE(mapped ? "load_file_mapped" : "load_file");
+    StateDict loaded =
+        StateDict::from_container(mapped ? load_file_mapped(path) : load_file(path));
+    auto [model, adam] = restored(loaded);
+    auto [ref, ref_adam] = restored(copies);
+    StateDict now = optimizer_state_dict(*adam), want = optimizer_state_dict(*ref_adam);
+    for (const char* key : {"state.0.0.exp_avg", "state.0.0.exp_avg_sq", "state.0.1.exp_avg"}) {
+      EXPECT_TRUE(bitwise_equal(now.tensor(key), want.tensor(key))) << key;
+      EXPECT_NE(want.tensor(key).data_ptr(), copies.tensor(key).data_ptr()) << key;
+    }
+    const bool weight_taken =
+        now.tensor("state.0.0.exp_avg").data_ptr() == loaded.tensor("state.0.0.exp_avg").data_ptr();
+    EXPECT_EQ(weight_taken, !mapped);
+    EXPECT_NE(now.tensor("state.0.1.exp_avg").data_ptr(),
+              loaded.tensor("state.0.1.exp_avg").data_ptr());
+    loaded = StateDict();  // the optimizer's state outlives the loaded dict
+    step(model, *adam, 2);
+    step(ref, *ref_adam, 2);
+    EXPECT_TRUE(bitwise_equal(model->weight, ref->weight));
+    EXPECT_TRUE(bitwise_equal(optimizer_state_dict(*adam).tensor("state.0.0.exp_avg_sq"),
+                              optimizer_state_dict(*ref_adam).tensor("state.0.0.exp_avg_sq")));
+  }
 }
 
 TEST(LoadInto, FillsNonContiguousTargetsThroughACopy) {

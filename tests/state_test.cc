@@ -479,6 +479,37 @@ TEST(StatefulSet, AFailedComponentPutsBackTheOnesAlreadyRestored) {
   EXPECT_TRUE(model->weight.equal(before)) << "the model must be put back";
 }
 
+// An optimizer's load replaces its state, so the set keeps the old state itself (no copy) to
+// put it back when a later component fails: it comes back value for value.
+TEST(StatefulSet, AnOptimizerRestoredBeforeAFailureGetsItsOwnStateBack) {
+  torch::manual_seed(1);
+  auto model = torch::nn::Linear(4, 3);
+  auto adam = std::make_shared<torch::optim::Adam>(model->parameters());
+  auto step = [&] {
+    adam->zero_grad();
+    model->forward(torch::randn({2, 4})).sum().backward();
+    adam->step();
+  };
+  step();
+  EXPECT_TRUE(AnyStateful(std::make_shared<OptimizerState>(adam)).load_replaces_state());
+  EXPECT_FALSE(AnyStateful::value(ModuleState(model.ptr())).load_replaces_state());
+  StatefulSet set;
+  set.add("optimizer", OptimizerState(adam));  // restored first
+  set.add("model", ModuleState(model.ptr()));
+  StateDict other = set.state_dict().clone();  // the state one step later, for the optimizer
+  step();
+  StateDict before = set.state_dict().clone();
+  other.set("model.weight", torch::zeros({5, 5}));  // the model refuses it
+  EXPECT_THROW(set.restore(other), Error);
+  StateDict now = set.state_dict();
+  for (const std::string& key : before.keys()) {
+    if (!before.is_tensor(key)) continue;
+    EXPECT_TRUE(now.tensor(key).equal(before.tensor(key))) << key << " was not put back";
+  }
+  EXPECT_FALSE(now.tensor("optimizer.state.0.0.exp_avg").equal(
+      other.tensor("optimizer.state.0.0.exp_avg")));
+}
+
 TEST(StatefulSet, RestoreLastComponentsGoLast) {
   std::vector<std::string> order;
   struct Probe {

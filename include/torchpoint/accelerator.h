@@ -736,6 +736,7 @@ class Accelerator {
     void load_state_dict(const StateDict& state);
   };
   struct OptimizerAdapter {
+    static constexpr bool kLoadReplacesState = true;  // see load_optimizer_state_dict()
     torch::optim::Optimizer* optimizer;
     std::shared_ptr<void> keep_alive;
     StateDict state_dict() const;

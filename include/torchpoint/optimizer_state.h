@@ -27,6 +27,10 @@ StateDict optimizer_state_dict(const torch::optim::Optimizer& optimizer);
 // parameters with the same shapes as when it was saved. Everything is checked before anything
 // changes: another optimizer type, another group layout or a state tensor whose shape differs
 // from its parameter's is an Incompatible error, and the optimizer is left untouched.
+// The optimizer's state tensors are replaced, never written into: tensors taken from it
+// before the call keep the old state. State tensors are copied, except those a torchpoint load read into memory of their own
+// (load_file, load_state) and already of their parameter's dtype and device: the optimizer
+// takes those, as Python's load_state_dict does, and shares their memory with `state`.
 //
 // Example:
 //   torch::optim::Adam adam(model->parameters());
@@ -40,6 +44,9 @@ std::string optimizer_type_name(const torch::optim::Optimizer& optimizer);
 // caller keeps alive (see AnyStateful::ref).
 class OptimizerState {
  public:
+  // load_optimizer_state_dict() replaces the state: no copy is needed to put it back.
+  static constexpr bool kLoadReplacesState = true;
+
   explicit OptimizerState(std::shared_ptr<torch::optim::Optimizer> optimizer)
       : optimizer_(std::move(optimizer)) {}
   StateDict state_dict() const { return optimizer_state_dict(*optimizer_); }

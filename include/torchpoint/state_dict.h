@@ -109,6 +109,15 @@ struct pointee<std::shared_ptr<T>> {
 };
 template <typename>
 inline constexpr bool always_false = false;
+// See AnyStateful::load_replaces_state().
+template <typename T>
+constexpr bool load_replaces_state() {
+  if constexpr (requires { T::kLoadReplacesState; }) {
+    return T::kLoadReplacesState;
+  } else {
+    return false;
+  }
+}
 }  // namespace detail
 
 // A Stateful object of any type, held by shared pointer, by reference (the caller keeps it
@@ -150,18 +159,26 @@ class AnyStateful {
 
   StateDict state_dict() const { return impl_->state_dict(); }
   void load_state_dict(const StateDict& state) const { impl_->load_state_dict(state); }
+  // Whether the object's load_state_dict() puts new tensors in the place of those its
+  // state_dict() returned and never writes into them (its type declares
+  // `static constexpr bool kLoadReplacesState = true;`): then what state_dict() returned before
+  // a load still holds the state as it was, with no copy (what StatefulSet::restore() keeps to
+  // put a component back).
+  bool load_replaces_state() const { return impl_->load_replaces_state(); }
 
  private:
   struct Base {
     virtual ~Base() = default;
     virtual StateDict state_dict() = 0;
     virtual void load_state_dict(const StateDict& state) = 0;
+    virtual bool load_replaces_state() const = 0;
   };
   template <typename T>
   struct Holder final : Base {
     explicit Holder(std::shared_ptr<T> o) : object(std::move(o)) {}
     StateDict state_dict() override { return object->state_dict(); }
     void load_state_dict(const StateDict& state) override { object->load_state_dict(state); }
+    bool load_replaces_state() const override { return detail::load_replaces_state<T>(); }
     std::shared_ptr<T> object;
   };
   std::shared_ptr<Base> impl_;

@@ -51,7 +51,9 @@ class StatefulSet {
   // Restores every component from `state`. Checks names first: a component registered but
   // absent, or present but not registered, is an Incompatible error listing all of them (unless
   // opted out), and nothing is changed. If a component then fails to load, the components
-  // already restored are put back as they were before the call and the error is rethrown.
+  // already restored are put back as they were before the call and the error is rethrown
+  // (from a copy of each one's state taken before its load; with no copy for a component whose
+  // load replaces its state, see AnyStateful::load_replaces_state()).
   RestoreReport restore(const StateDict& state);
 
   std::vector<std::string> names() const;

@@ -14,6 +14,7 @@
 #include <functional>
 
 #include "compat/torch_compat.h"
+#include "format/fresh_read.h"
 #include "torchpoint/error.h"
 
 namespace torchpoint {
@@ -36,7 +37,17 @@ struct Codec {
       load_state;
 };
 
-// A state tensor for `param`, as a fresh copy on the parameter's device, with its shape checked.
+// Whether `t` is the whole of memory that a torchpoint load read for it alone (FreshData),
+// already as `param` holds its values: then the optimizer takes it instead of a copy, as
+// Python's Optimizer.load_state_dict takes a tensor already of the parameter's dtype and device.
+bool take_as_is(const at::Tensor& t, const at::Tensor& param) {
+  return t.device() == param.device() && t.scalar_type() == param.scalar_type() &&
+         t.is_contiguous() && t.storage_offset() == 0 &&
+         t.storage().nbytes() == t.nbytes() && FreshData::adopted(t.storage().data_ptr());
+}
+
+// A state tensor for `param` on the parameter's device, with its shape checked: a fresh copy,
+// or the loaded tensor itself where take_as_is() allows.
 at::Tensor like_param(const StateDict& sd, const std::string& key, const at::Tensor& param) {
   const at::Tensor& t = sd.tensor(key);
   if (t.sizes() != param.sizes()) {
@@ -46,6 +57,7 @@ at::Tensor like_param(const StateDict& sd, const std::string& key, const at::Ten
                             sd.description(), key, fmt::join(t.sizes(), ", "),
                             fmt::join(param.sizes(), ", ")));
   }
+  if (take_as_is(t, param)) return t.detach();
   return t.to(param.device(), param.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
 }
 

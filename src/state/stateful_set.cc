@@ -91,7 +91,8 @@ RestoreReport StatefulSet::restore(const StateDict& state) {
   try {
     for (const Entry* e : order) {
       if (!state.has_child(e->name)) continue;
-      StateDict before = e->component.state_dict().clone();
+      StateDict before = e->component.load_replaces_state() ? e->component.state_dict()
+                                                            : e->component.state_dict().clone();
       e->component.load_state_dict(state.child(e->name));
       undo.emplace_back(e, std::move(before));
       report.restored.push_back(e->name);

@@ -43,6 +43,7 @@ struct ModelPart {
 // names), several each under its name. restore_checkpoint() has checked the names; if one
 // optimizer refuses its state, those already loaded are put back.
 struct OptimizersPart {
+  static constexpr bool kLoadReplacesState = true;  // see load_optimizer_state_dict()
   const NamedOptimizers* optimizers;
   StateDict state_dict() const {
     if (optimizers->size() == 1) return optimizer_state_dict(*optimizers->begin()->second);
@@ -60,7 +61,7 @@ struct OptimizersPart {
     std::vector<std::pair<torch::optim::Optimizer*, StateDict>> undo;
     try {
       for (const auto& [name, optimizer] : *optimizers) {
-        StateDict before = optimizer_state_dict(*optimizer).clone();
+        StateDict before = optimizer_state_dict(*optimizer);  // replaced, not written into
         load_optimizer_state_dict(*optimizer, s.child(name));
         undo.emplace_back(optimizer.get(), std::move(before));
       }
