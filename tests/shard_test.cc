@@ -447,5 +447,102 @@ TEST(Shards, AZeroShardIsReadOnlyWhereItMeetsTheRange) {
       ErrorCode::Corruption, {"state.0.0.exp_avg", "fails its checksum"});
 }
 
+// A layout with chunks (format 4.0): each piece's state is cut into chunks of `chunk`
+// elements, each a tensor with its own checksum, and a process whose range begins or ends inside
+// a piece reads and verifies only the chunks meeting it; what it reads assembles into exactly
+// those elements. A chunk that does not fit its piece is Corruption naming it.
+TEST(Shards, AChunkedZeroShardIsReadOnlyInTheChunksMeetingTheRange) {
+  TempDir dir;
+  detail::ZeroLayout layout;
+  layout.optimizer = "optimizer";
+  layout.world = 2;
+  layout.total = 20;
+  layout.part = 10;
+  layout.chunk = 4;
+  layout.params = {{0, 0, 0, {4, 5}}};
+  const at::Tensor exp_avg = testing::make_tensor(at::kFloat, {10}, 3);
+  const at::Tensor exp_avg_sq = testing::make_tensor(at::kDouble, {10}, 4);
+  StateDict shard;  // rank 1's: elements [10, 20), the parameter's second half
+  shard.set("zero.rank", 1);
+  shard.set("zero.world", 2);
+  shard.set("zero.0.0.begin", 10);
+  shard.set("zero.0.0.numel", 10);
+  shard.set("state.0.0.step", 7);
+  for (int k = 0; k < 3; ++k) {
+    const std::int64_t n = std::min<std::int64_t>(4, 10 - 4 * k);
+    shard.set(fmt::format("state.0.0.exp_avg.{}", k), exp_avg.narrow(0, 4 * k, n).clone());
+  }
+  for (int k = 0; k < 3; ++k) {
+    const std::int64_t n = std::min<std::int64_t>(4, 10 - 4 * k);
+    shard.set(fmt::format("state.0.0.exp_avg_sq.{}", k), exp_avg_sq.narrow(0, 4 * k, n).clone());
+  }
+  const std::string path = dir / "optimizer_zero_1.safetensors";
+  write_container(Env::posix(), path, shard.to_container());
+  std::unique_ptr<File> file = Env::posix().open(path, OpenMode::Read);
+  Problems throwing;
+  const ContainerHeader header = read_container_header(*file, path, throwing);
+  file->close();
+
+  // Elements [15, 17) of the flat space: piece elements [5, 7), inside chunk 1 alone.
+  std::uint64_t read = 0;
+  Container part = load_container_part(Env::posix(), path, detail::zero_shard_filter(layout, 15, 17),
+                                       nullptr, &read);
+  std::vector<std::string> names;
+  for (const auto& [name, t] : part.tensors) names.push_back(name);
+  EXPECT_EQ(names, (std::vector<std::string>{"state.0.0.exp_avg.1", "state.0.0.exp_avg_sq.1"}));
+  EXPECT_EQ(read, header.data_start + 4 * sizeof(float) + 4 * sizeof(double));
+  const detail::ZeroShard parsed =
+      detail::ZeroShard::parse(StateDict::from_container(part), layout, 1, path);
+  ASSERT_EQ(parsed.pieces.size(), 1u);
+  ASSERT_EQ(parsed.pieces.begin()->second.runs.size(), 1u);
+  EXPECT_EQ(parsed.pieces.begin()->second.runs[0].begin, 14);
+  EXPECT_EQ(parsed.pieces.begin()->second.runs[0].numel, 4);
+  std::map<int, detail::ZeroShard> shards;
+  shards.emplace(1, parsed);
+  StateDict got = detail::zero_piece_state(layout, shards, layout.params[0], 15, 2, path);
+  EXPECT_EQ(got.keys(), (std::vector<std::string>{"step", "exp_avg", "exp_avg_sq"}));
+  EXPECT_EQ(got.get<int>("step"), 7);
+  EXPECT_TRUE(testing::bitwise_equal(got.tensor("exp_avg"), exp_avg.narrow(0, 5, 2)));
+  EXPECT_TRUE(testing::bitwise_equal(got.tensor("exp_avg_sq"), exp_avg_sq.narrow(0, 5, 2)));
+
+  // Across a chunk boundary, [17, 19): chunks 1 and 2 of each field, assembled in order.
+  shards[1] = detail::ZeroShard::parse(
+      StateDict::from_container(load_container_part(
+          Env::posix(), path, detail::zero_shard_filter(layout, 17, 19), nullptr, &read)),
+      layout, 1, path);
+  EXPECT_EQ(read, header.data_start + 6 * sizeof(float) + 6 * sizeof(double));
+  got = detail::zero_piece_state(layout, shards, layout.params[0], 17, 2, path);
+  EXPECT_TRUE(testing::bitwise_equal(got.tensor("exp_avg"), exp_avg.narrow(0, 7, 2)));
+  EXPECT_TRUE(testing::bitwise_equal(got.tensor("exp_avg_sq"), exp_avg_sq.narrow(0, 7, 2)));
+
+  // Damage in chunk 0 of exp_avg: unseen by [15, 17), Corruption naming it for [10, 12).
+  const TensorEntry* chunk0 = nullptr;
+  for (const TensorEntry& e : header.entries) {
+    if (e.name == "state.0.0.exp_avg.0") chunk0 = &e;
+  }
+  ASSERT_NE(chunk0, nullptr);
+  testing::flip_bit(path, header.data_start + chunk0->begin + 2, 5);
+  EXPECT_EQ(load_container_part(Env::posix(), path, detail::zero_shard_filter(layout, 15, 17),
+                                nullptr, nullptr)
+                .tensors.size(),
+            2u);
+  testing::expect_error(
+      [&] {
+        load_container_part(Env::posix(), path, detail::zero_shard_filter(layout, 10, 12),
+                            nullptr, nullptr);
+      },
+      ErrorCode::Corruption, {"state.0.0.exp_avg.0", "fails its checksum"});
+
+  // A chunk of the wrong size, a chunk past the piece's end, and a key that is not a chunk.
+  for (const auto& [key, n] : std::vector<std::pair<std::string, std::int64_t>>{
+           {"state.0.0.exp_avg.1", 3}, {"state.0.0.exp_avg.3", 2}, {"state.0.0.exp_avg", 10}}) {
+    StateDict bad = shard;
+    bad.erase("state.0.0.exp_avg.1");
+    bad.set(key, testing::make_tensor(at::kFloat, {n}, 9));
+    testing::expect_error([&] { detail::ZeroShard::parse(bad, layout, 1, path); },
+                          ErrorCode::Corruption, {"optimizer_zero_1", key});
+  }
+}
+
 }  // namespace
 }  // namespace torchpoint

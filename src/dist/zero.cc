@@ -70,7 +70,7 @@ std::unique_ptr<torch::optim::OptimizerParamState> new_state(const torch::optim:
 }  // namespace
 
 ZeroOptimizer::ZeroOptimizer(torch::optim::Optimizer& optimizer, ProcessGroup* group, int stage)
-    : user_(&optimizer), group_(group), stage_(stage) {
+    : user_(&optimizer), group_(group), stage_(stage), chunk_(zero_chunk_elements()) {
   if (stage != 1 && stage != 2) {
     throw Error(ErrorCode::InvalidArgument,
                 fmt::format("zero_stage({}): the stages are 1 (optimizer state partitioned) and "
@@ -366,6 +366,7 @@ ZeroLayout ZeroOptimizer::layout(const std::string& name) const {
   out.world = world_;
   out.total = total_;
   out.part = part_;
+  out.chunk = chunk_;
   std::int64_t offset = 0;
   for (std::size_t g = 0; g < user_->param_groups().size(); ++g) {
     const auto& params = user_->param_groups()[g].params();
@@ -409,7 +410,22 @@ StateDict ZeroOptimizer::shard_state() const {
     out.set("zero." + at + ".begin", piece.begin);
     out.set("zero." + at + ".numel", piece.numel);
     const std::string from = fmt::format("state.{}.{}", places[k].first, places[k].second);
-    if (local.has_child(from)) out.set_child("state." + at, local.child(from));
+    if (!local.has_child(from)) continue;
+    // Each tensor in chunks (views), so that a load whose range begins or ends inside the
+    // piece reads and verifies only the chunks it needs.
+    const StateDict state = local.child(from);
+    for (const auto& [field, value] : state.entries()) {
+      const std::string key = fmt::format("state.{}.{}", at, field);
+      if (!std::holds_alternative<at::Tensor>(value)) {
+        out.set(key, std::get<Json>(value));
+        continue;
+      }
+      const at::Tensor& t = std::get<at::Tensor>(value);
+      for (std::int64_t c = 0, begin = 0; begin < t.numel(); ++c, begin += chunk_) {
+        out.set(fmt::format("{}.{}", key, c),
+                t.narrow(0, begin, std::min(chunk_, t.numel() - begin)));
+      }
+    }
   }
   return out;
 }

@@ -103,6 +103,7 @@ class ZeroOptimizer {
   torch::optim::Optimizer* user_;
   ProcessGroup* group_;
   int stage_;
+  std::int64_t chunk_;  // elements per chunk of a piece's state in a shard
   int world_ = 1;
   int rank_ = 0;
   std::int64_t total_ = 0;  // elements of the flat space

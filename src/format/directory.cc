@@ -590,15 +590,18 @@ void DirectorySave::commit(const std::vector<WrittenComponent>& files, const Che
     manifest.version_minor = 0;
   }
   if (info.metadata.is_object() && info.metadata.contains("zero")) {
+    bool chunked = false;
     try {
-      (void)detail::zero_layouts(info.metadata, path_);
+      for (const detail::ZeroLayout& layout : detail::zero_layouts(info.metadata, path_)) {
+        chunked = chunked || layout.chunk > 0;
+      }
     } catch (const Error& e) {
       throw Error(ErrorCode::InvalidArgument,
                   fmt::format("{}: the metadata's \"zero\" entry is reserved for the layout of "
                               "ZeRO-sharded optimizer state, and this one is not one ({})",
                               path_, e.what()));
     }
-    manifest.version_major = kZeroManifestMajor;
+    manifest.version_major = chunked ? kChunkedZeroManifestMajor : kZeroManifestMajor;
     manifest.version_minor = 0;
   }
   manifest.torchpoint_version = torchpoint_version();

@@ -33,8 +33,11 @@ inline constexpr int kShardedManifestMajor = 2;
 // format 3.0: a reader of format 2 would restore the optimizer's own component, which holds no
 // per-parameter state, and resume silently without it.
 inline constexpr int kZeroManifestMajor = 3;
+// Manifests whose ZeRO layouts cut the pieces into chunks ("chunk") are format 4.0: a reader of
+// format 3 would not know the chunks' keys and would refuse the shards with a puzzling message.
+inline constexpr int kChunkedZeroManifestMajor = 4;
 // The newest major version this build reads.
-inline constexpr int kNewestManifestMajor = kZeroManifestMajor;
+inline constexpr int kNewestManifestMajor = kChunkedZeroManifestMajor;
 // Shard numbers have five digits in file names.
 inline constexpr int kMaxShards = 99999;
 

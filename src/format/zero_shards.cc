@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cstdlib>
 #include <memory>
 
 #include "torchpoint/error.h"
@@ -44,7 +45,34 @@ bool split_key(std::string_view key, std::string_view prefix, int& g, int& i,
   return !rest.empty();
 }
 
+// "<field>.<k>" -> field, k (a chunk's key, after the parameter's "state.<g>.<i>.").
+bool split_chunk(std::string_view rest, std::string& field, std::int64_t& k) {
+  const std::size_t dot = rest.rfind('.');
+  if (dot == std::string_view::npos || dot == 0) return false;
+  const std::string_view digits = rest.substr(dot + 1);
+  if (digits.empty() || digits.size() > 12) return false;
+  auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), k);
+  if (ec != std::errc() || end != digits.data() + digits.size() || k < 0) return false;
+  field = std::string(rest.substr(0, dot));
+  return true;
+}
+
 }  // namespace
+
+std::int64_t zero_chunk_elements() {
+  const char* text = std::getenv("TORCHPOINT_ZERO_CHUNK_ELEMENTS");
+  if (text == nullptr || *text == '\0') return kZeroChunkElements;
+  std::int64_t n = 0;
+  const std::string_view view(text);
+  auto [end, ec] = std::from_chars(view.data(), view.data() + view.size(), n);
+  if (ec != std::errc() || end != view.data() + view.size() || n <= 0) {
+    throw Error(ErrorCode::InvalidArgument,
+                fmt::format("TORCHPOINT_ZERO_CHUNK_ELEMENTS is '{}': give a positive number of "
+                            "elements, or unset it for the default {}",
+                            view, kZeroChunkElements));
+  }
+  return n;
+}
 
 TensorFilter zero_shard_filter(const ZeroLayout& layout, std::int64_t begin, std::int64_t end) {
   std::map<std::pair<int, int>, std::int64_t> offsets;
@@ -53,8 +81,8 @@ TensorFilter zero_shard_filter(const ZeroLayout& layout, std::int64_t begin, std
   // ordered object, whose find() walks every key).
   auto pieces = std::make_shared<std::map<std::pair<int, int>, std::pair<std::int64_t, std::int64_t>>>();
   auto indexed = std::make_shared<bool>(false);
-  return [offsets = std::move(offsets), pieces, indexed, begin, end](const std::string& tensor,
-                                                                    const Json& state) {
+  return [offsets = std::move(offsets), pieces, indexed, begin, end, chunk = layout.chunk](
+             const std::string& tensor, const Json& state) {
     if (!*indexed) {
       *indexed = true;
       auto values = state.find("values");
@@ -75,8 +103,16 @@ TensorFilter zero_shard_filter(const ZeroLayout& layout, std::int64_t begin, std
     auto offset = offsets.find({g, i});
     auto piece = pieces->find({g, i});
     if (offset == offsets.end() || piece == pieces->end()) return true;
-    const std::int64_t first = offset->second + piece->second.first;
-    return first < end && first + piece->second.second > begin;
+    std::int64_t first = offset->second + piece->second.first;
+    std::int64_t numel = piece->second.second;
+    std::string field;
+    std::int64_t k = 0;
+    if (chunk > 0) {
+      if (!split_chunk(rest, field, k) || k >= (numel + chunk - 1) / chunk) return true;
+      first += k * chunk;
+      numel = std::min(chunk, numel - k * chunk);
+    }
+    return first < end && first + numel > begin;
   };
 }
 
@@ -106,8 +142,12 @@ Json ZeroLayout::to_json() const {
   }
   Json files = Json::array();
   for (int r = 0; r < world; ++r) files.push_back(zero_shard_name(optimizer, r));
-  return {{"optimizer", optimizer}, {"stage", stage}, {"world", world}, {"total", total},
-          {"part", part},           {"shards", files}, {"params", ps}};
+  Json out = {{"optimizer", optimizer}, {"stage", stage}, {"world", world}, {"total", total},
+              {"part", part}};
+  if (chunk > 0) out["chunk"] = chunk;
+  out["shards"] = std::move(files);
+  out["params"] = std::move(ps);
+  return out;
 }
 
 ZeroLayout ZeroLayout::from_json(const Json& json, const std::string& where) {
@@ -118,6 +158,7 @@ ZeroLayout ZeroLayout::from_json(const Json& json, const std::string& where) {
     out.world = json.at("world").get<int>();
     out.total = json.at("total").get<std::int64_t>();
     out.part = json.at("part").get<std::int64_t>();
+    if (json.contains("chunk")) out.chunk = json.at("chunk").get<std::int64_t>();
     for (const Json& p : json.at("params")) {
       out.params.push_back({p.at("group").get<int>(), p.at("index").get<int>(),
                             p.at("offset").get<std::int64_t>(),
@@ -125,6 +166,10 @@ ZeroLayout ZeroLayout::from_json(const Json& json, const std::string& where) {
     }
   } catch (const Json::exception& e) {
     corrupt(where, fmt::format("the ZeRO layout in the manifest is malformed ({})", e.what()));
+  }
+  if (out.chunk < 0) {
+    corrupt(where, fmt::format("the ZeRO layout of {} has chunks of {} elements",
+                               out.optimizer, out.chunk));
   }
   if (out.world < 1 || out.total < 0 || out.part < 0 ||
       (out.total > 0 && (out.part * out.world < out.total ||
@@ -170,6 +215,14 @@ ZeroShard ZeroShard::parse(const StateDict& contents, const ZeroLayout& layout, 
   for (const ZeroLayout::Param& p : layout.params) params[{p.group, p.index}] = &p;
   const std::int64_t lo = std::min(layout.total, layout.part * rank);
   const std::int64_t hi = std::min(layout.total, lo + layout.part);
+  // What the shard holds of each piece: its fields in order, its values, its tensors by chunk
+  // (chunk 0 is the whole piece when the layout has no chunks).
+  struct Held {
+    std::vector<std::string> fields;
+    StateDict values;
+    std::map<std::int64_t, std::map<std::string, at::Tensor>> chunks;
+  };
+  std::map<std::pair<int, int>, Held> held;
   ZeroShard out;
   int g = 0, i = 0;
   std::string rest;
@@ -181,16 +234,28 @@ ZeroShard ZeroShard::parse(const StateDict& contents, const ZeroLayout& layout, 
       } else if (rest == "numel") {
         piece.numel = contents.get<std::int64_t>(key);
       }
-    } else if (split_key(key, "state", g, i, rest)) {
-      Piece& piece = out.pieces[{g, i}];
-      if (std::holds_alternative<at::Tensor>(value)) {
-        piece.state.set(rest, std::get<at::Tensor>(value));
-      } else {
-        piece.state.set(rest, std::get<Json>(value));
+      continue;
+    }
+    if (!split_key(key, "state", g, i, rest)) continue;
+    out.pieces[{g, i}];
+    Held& h = held[{g, i}];
+    std::string field = rest;
+    std::int64_t k = 0;
+    if (std::holds_alternative<at::Tensor>(value)) {
+      if (layout.chunk > 0 && !split_chunk(rest, field, k)) {
+        corrupt(where, fmt::format("{}: {} is not a chunk (state.<g>.<i>.<field>.<k>), though "
+                                   "the layout cuts pieces into chunks of {} elements",
+                                   name, key, layout.chunk));
       }
+      h.chunks[k][field] = std::get<at::Tensor>(value);
+    } else {
+      h.values.set(field, std::get<Json>(value));
+    }
+    if (std::find(h.fields.begin(), h.fields.end(), field) == h.fields.end()) {
+      h.fields.push_back(field);
     }
   }
-  for (const auto& [at, piece] : out.pieces) {
+  for (auto& [at, piece] : out.pieces) {
     auto p = params.find(at);
     const bool fits = p != params.end() && piece.numel > 0 && piece.begin >= 0 &&
                       piece.begin + piece.numel <= p->second->numel() &&
@@ -202,15 +267,36 @@ ZeroShard ZeroShard::parse(const StateDict& contents, const ZeroLayout& layout, 
                                  name, piece.begin, piece.begin + piece.numel, at.second,
                                  at.first, rank, lo, hi));
     }
-    for (const auto& [key, value] : piece.state.entries()) {
-      if (std::holds_alternative<at::Tensor>(value) &&
-          (std::get<at::Tensor>(value).dim() != 1 ||
-           std::get<at::Tensor>(value).numel() != piece.numel)) {
-        corrupt(where, fmt::format("{}: state.{}.{}.{} holds {} elements, its piece {}", name,
-                                   at.first, at.second, key, std::get<at::Tensor>(value).numel(),
-                                   piece.numel));
+    const Held& h = held[at];
+    const std::int64_t chunk = layout.chunk > 0 ? layout.chunk : piece.numel;
+    auto run_of = [&](std::int64_t from, std::int64_t numel,
+                      const std::map<std::string, at::Tensor>* tensors) {
+      Run run{piece.begin + from, numel, {}};
+      for (const std::string& field : h.fields) {
+        if (h.values.contains(field)) {
+          run.state.set(field, h.values.value(field));
+        } else if (tensors != nullptr && tensors->contains(field)) {
+          run.state.set(field, tensors->at(field));
+        }
       }
+      piece.runs.push_back(std::move(run));
+    };
+    for (const auto& [k, tensors] : h.chunks) {
+      const std::int64_t chunks = (piece.numel + chunk - 1) / chunk;
+      const std::int64_t from = k * chunk;
+      const std::int64_t numel = k < chunks ? std::min(chunk, piece.numel - from) : 0;
+      for (const auto& [field, t] : tensors) {
+        if (k >= chunks || t.dim() != 1 || t.numel() != numel) {
+          corrupt(where, fmt::format("{}: state.{}.{}.{}{} holds {} elements, where its piece of "
+                                     "{} elements in chunks of {} has {}",
+                                     name, at.first, at.second, field,
+                                     layout.chunk > 0 ? fmt::format(".{}", k) : "", t.numel(),
+                                     piece.numel, chunk, numel));
+        }
+      }
+      run_of(from, numel, &tensors);
     }
+    if (piece.runs.empty()) run_of(0, piece.numel, nullptr);
   }
   return out;
 }
@@ -219,7 +305,7 @@ StateDict zero_piece_state(const ZeroLayout& layout, const std::map<int, ZeroSha
                            const ZeroLayout::Param& param, std::int64_t begin,
                            std::int64_t numel, const std::string& where) {
   struct Source {
-    const ZeroShard::Piece* piece;
+    const ZeroShard::Run* run;
     std::int64_t from, to;  // of the requested elements, relative to `begin`
   };
   std::vector<Source> sources;
@@ -234,15 +320,17 @@ StateDict zero_piece_state(const ZeroLayout& layout, const std::map<int, ZeroSha
     }
     auto piece = shard->second.pieces.find({param.group, param.index});
     if (piece == shard->second.pieces.end()) continue;
-    const std::int64_t a = std::max(begin, piece->second.begin);
-    const std::int64_t b = std::min(begin + numel, piece->second.begin + piece->second.numel);
-    if (a < b) sources.push_back({&piece->second, a - begin, b - begin});
+    for (const ZeroShard::Run& run : piece->second.runs) {
+      const std::int64_t a = std::max(begin, run.begin);
+      const std::int64_t b = std::min(begin + numel, run.begin + run.numel);
+      if (a < b) sources.push_back({&run, a - begin, b - begin});
+    }
   }
   StateDict out;
   if (sources.empty()) return out;
-  // Each field once, in the order the first piece holding it lists it.
+  // Each field once, in the order the first run holding it lists it.
   for (const Source& s : sources) {
-    for (const auto& [key, value] : s.piece->state.entries()) {
+    for (const auto& [key, value] : s.run->state.entries()) {
       if (std::holds_alternative<Json>(value)) {
         const Json& v = std::get<Json>(value);
         if (!out.contains(key)) {
@@ -257,7 +345,7 @@ StateDict zero_piece_state(const ZeroLayout& layout, const std::map<int, ZeroSha
       if (!out.contains(key)) out.set(key, at::zeros({numel}, t.options()));
       const at::Tensor& into = out.tensor(key);
       into.narrow(0, s.from, s.to - s.from)
-          .copy_(t.narrow(0, begin + s.from - s.piece->begin, s.to - s.from));
+          .copy_(t.narrow(0, begin + s.from - s.run->begin, s.to - s.from));
     }
   }
   return out;

@@ -7,11 +7,16 @@
 //   zero.rank, zero.world                 who wrote it
 //   zero.<g>.<i>.begin, zero.<g>.<i>.numel the piece of parameter i of group g: its elements
 //                                         [begin, begin + numel), flattened
-//   state.<g>.<i>.<field>                 the optimizer's state of those elements, 1-D
+//   state.<g>.<i>.<field>.<k>             chunk k of the optimizer's state of those elements:
+//                                         the piece's elements [k * C, min((k + 1) * C, numel)),
+//                                         1-D, with C the layout's chunk (format 4.0)
+//   state.<g>.<i>.<field>                 the whole piece's state, 1-D, when the layout has no
+//                                         chunk (format 3.0, as written before chunks)
 //   state.<g>.<i>.step                    (and any other value of that parameter's state)
 // The manifest's metadata holds the global layout under "zero": one entry per sharded
 // optimizer (see ZeroLayout), so that a reader knows, before reading any shard, which shards
-// hold the elements it needs.
+// hold the elements it needs. Each chunk is a tensor with its own checksum, so a process whose
+// range begins or ends inside a piece reads and verifies only the chunks that meet its range.
 #pragma once
 
 #include <cstdint>
@@ -28,6 +33,11 @@ namespace torchpoint::detail {
 // The component of `rank`'s part of the optimizer component `optimizer`.
 std::string zero_shard_name(const std::string& optimizer, int rank);
 
+// The elements per chunk of the pieces a save writes (4 MiB of float state), unless
+// TORCHPOINT_ZERO_CHUNK_ELEMENTS says otherwise (a positive count; a tuning and testing knob).
+inline constexpr std::int64_t kZeroChunkElements = std::int64_t{1} << 20;
+std::int64_t zero_chunk_elements();
+
 struct ZeroLayout {
   struct Param {
     int group = 0;
@@ -41,6 +51,7 @@ struct ZeroLayout {
   int world = 1;
   std::int64_t total = 0;  // elements of the flat space
   std::int64_t part = 0;   // elements per rank: rank r holds [r * part, (r + 1) * part) ∩ [0, total)
+  std::int64_t chunk = 0;  // elements per chunk of a piece's state; 0: each piece whole (3.0)
   std::vector<Param> params;
 
   // The ranks whose ranges meet [begin, end).
@@ -60,15 +71,25 @@ std::vector<ZeroLayout> zero_layouts(const Json& metadata, const std::string& wh
 
 // One shard as read: its pieces by (group, index).
 struct ZeroShard {
-  struct Piece {
+  // Elements [begin, begin + numel) of the parameter whose state was read: the whole piece, or
+  // one chunk of it. `state` holds "<field>" tensors of numel elements and the piece's values
+  // ("step"), in the order the piece lists its fields.
+  struct Run {
     std::int64_t begin = 0;
     std::int64_t numel = 0;
-    StateDict state;  // "<field>" tensors of numel elements, and the parameter's values
+    StateDict state;
+  };
+  struct Piece {
+    std::int64_t begin = 0;  // of the parameter's elements, as the shard declares the piece
+    std::int64_t numel = 0;
+    // What was read of it, in element order: its chunks that a filter kept, or the whole piece
+    // (also when it holds values but no tensor, or when no tensor of it was read).
+    std::vector<Run> runs;
   };
   std::map<std::pair<int, int>, Piece> pieces;
 
-  // Throws Corruption naming `where` for a shard that is not `rank`'s of `layout`, or a piece
-  // outside that rank's range.
+  // Throws Corruption naming `where` for a shard that is not `rank`'s of `layout`, a piece
+  // outside that rank's range, or a chunk or tensor that does not fit its piece.
   static ZeroShard parse(const StateDict& contents, const ZeroLayout& layout, int rank,
                          const std::string& where);
 };
