@@ -486,6 +486,27 @@ TEST(DistributedAccelerator, ZeroStagesStepAsPlainDataParallelAndTheirCheckpoint
   }
   EXPECT_EQ(runs["z2_norm"].logs[1].steps, runs["z2_norm"].logs[0].steps);
 
+  // On 4 processes, with gradient accumulation (half of each batch under no_sync()), value
+  // clipping and the scaler's inf every 7th step: stages 1 and 2 step as plain does, bit for
+  // bit, on every process.
+  std::map<std::string, ChildRun> four;
+  for (const auto& [name, stage] : std::vector<std::pair<std::string, int>>{
+           {"plain", 0}, {"z1", 1}, {"z2", 2}}) {
+    const std::string sub = d + "/four_" + name;
+    std::filesystem::create_directories(sub);
+    four[name] = run_child(sub, "log", 4, "none", 8, 1,
+                           fmt::format("TORCHPOINT_TEST_ZERO={} TORCHPOINT_TEST_CLIP=value "
+                                       "TORCHPOINT_TEST_ACCUMULATE=1",
+                                       stage));
+    ASSERT_EQ(four[name].status, 0) << "four_" << name << "\n" << four[name].output;
+  }
+  ASSERT_EQ(four["plain"].logs[0].steps.size(), plain[0].steps.size());
+  for (const char* name : {"z1", "z2"}) {
+    for (int r = 0; r < 4; ++r) {
+      EXPECT_EQ(four[name].logs[r].steps, four["plain"].logs[0].steps) << name << " rank " << r;
+    }
+  }
+
   // The CLI on a sharded checkpoint: its optimizer's digest is plain's; `consolidate` writes
   // one file of the same state; a missing shard is named by `verify`.
   auto cli = [&](const std::string& args) {
