@@ -28,14 +28,31 @@ StateDict optimizer_state_dict(const torch::optim::Optimizer& optimizer);
 // changes: another optimizer type, another group layout or a state tensor whose shape differs
 // from its parameter's is an Incompatible error, and the optimizer is left untouched.
 // The optimizer's state tensors are replaced, never written into: tensors taken from it
-// before the call keep the old state. State tensors are copied, except those a torchpoint load read into memory of their own
-// (load_file, load_state) and already of their parameter's dtype and device: the optimizer
-// takes those, as Python's load_state_dict does, and shares their memory with `state`.
+// before the call keep the old state. State tensors are copied, except those a torchpoint load
+// read into memory of their own (load_file, load_state) and already of their parameter's dtype
+// and device: the optimizer takes those, as Python's load_state_dict does, and shares their
+// memory with `state`.
 //
 // Example:
 //   torch::optim::Adam adam(model->parameters());
 //   torchpoint::load_optimizer_state_dict(adam, checkpoint.child("optimizer"));
 void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const StateDict& state);
+
+namespace detail {
+// While one lives, load_optimizer_state_dict() on its thread also takes every state tensor that
+// is the whole of its memory and of its parameter's dtype and device, as it takes a load's:
+// for a caller whose `state` holds tensors it made for the call alone (ZeRO's assembled pieces).
+class TakeLoadedState {
+ public:
+  TakeLoadedState();
+  ~TakeLoadedState();
+  TakeLoadedState(const TakeLoadedState&) = delete;
+  TakeLoadedState& operator=(const TakeLoadedState&) = delete;
+
+ private:
+  bool previous_;
+};
+}  // namespace detail
 
 // The optimizer's type name as used in its state ("Adam"), or "" when unknown.
 std::string optimizer_type_name(const torch::optim::Optimizer& optimizer);

@@ -467,6 +467,8 @@ StateDict ZeroOptimizer::local_state_from(const ZeroLayout& saved,
 }
 
 void ZeroOptimizer::set_local_state(const StateDict& state) {
+  // local_state_from() assembled every state tensor in new memory of its own: no copy again.
+  detail::TakeLoadedState take;
   load_optimizer_state_dict(*local_, state);
   user_->state().clear();
 }

@@ -75,8 +75,10 @@ class ZeroOptimizer {
   StateDict shard_state() const;
   // The state of this process's pieces assembled from the shards of a checkpoint saved with
   // `saved` (any number of processes): an optimizer state dict of the local optimizer, to give
-  // set_local_state() once everything else of a load has been checked. Throws Incompatible
-  // when `saved` partitions other parameters, Corruption for a missing or wrong shard.
+  // set_local_state() once everything else of a load has been checked (which takes its tensors,
+  // each new memory of its own, as the local optimizer's state, with no copy). Throws
+  // Incompatible when `saved` partitions other parameters, Corruption for a missing or wrong
+  // shard.
   StateDict local_state_from(const ZeroLayout& saved, const std::map<int, ZeroShard>& shards,
                              const std::string& where) const;
   void set_local_state(const StateDict& state);

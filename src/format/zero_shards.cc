@@ -2,6 +2,7 @@
 // onto any other range of the flat space (another number of processes, or one whole state).
 #include "format/zero_shards.h"
 
+#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <fmt/format.h>
 
@@ -328,6 +329,14 @@ StateDict zero_piece_state(const ZeroLayout& layout, const std::map<int, ZeroSha
   }
   StateDict out;
   if (sources.empty()) return out;
+  // The elements of each field the runs hold (they do not overlap): a field they cover whole
+  // needs no zeros first.
+  std::map<std::string, std::int64_t> covered;
+  for (const Source& s : sources) {
+    for (const auto& [key, value] : s.run->state.entries()) {
+      if (std::holds_alternative<at::Tensor>(value)) covered[key] += s.to - s.from;
+    }
+  }
   // Each field once, in the order the first run holding it lists it.
   for (const Source& s : sources) {
     for (const auto& [key, value] : s.run->state.entries()) {
@@ -342,7 +351,10 @@ StateDict zero_piece_state(const ZeroLayout& layout, const std::map<int, ZeroSha
         continue;
       }
       const at::Tensor& t = std::get<at::Tensor>(value);
-      if (!out.contains(key)) out.set(key, at::zeros({numel}, t.options()));
+      if (!out.contains(key)) {
+        out.set(key, covered[key] == numel ? at::empty({numel}, t.options())
+                                           : at::zeros({numel}, t.options()));
+      }
       const at::Tensor& into = out.tensor(key);
       into.narrow(0, s.from, s.to - s.from)
           .copy_(t.narrow(0, begin + s.from - s.run->begin, s.to - s.from));

@@ -37,13 +37,16 @@ struct Codec {
       load_state;
 };
 
-// Whether `t` is the whole of memory that a torchpoint load read for it alone (FreshData),
-// already as `param` holds its values: then the optimizer takes it instead of a copy, as
-// Python's Optimizer.load_state_dict takes a tensor already of the parameter's dtype and device.
+thread_local bool take_loaded_state = false;
+
+// Whether `t` is the whole of memory that a torchpoint load read for it alone (FreshData), or
+// that a caller under TakeLoadedState made for it alone, already as `param` holds its values:
+// then the optimizer takes it instead of a copy, as Python's Optimizer.load_state_dict takes a
+// tensor already of the parameter's dtype and device.
 bool take_as_is(const at::Tensor& t, const at::Tensor& param) {
   return t.device() == param.device() && t.scalar_type() == param.scalar_type() &&
-         t.is_contiguous() && t.storage_offset() == 0 &&
-         t.storage().nbytes() == t.nbytes() && FreshData::adopted(t.storage().data_ptr());
+         t.is_contiguous() && t.storage_offset() == 0 && t.storage().nbytes() == t.nbytes() &&
+         (take_loaded_state || FreshData::adopted(t.storage().data_ptr()));
 }
 
 // A state tensor for `param` on the parameter's device, with its shape checked: a fresh copy,
@@ -369,6 +372,11 @@ StateDict optimizer_state_dict(const optim::Optimizer& optimizer) {
   }
   return sd;
 }
+
+namespace detail {
+TakeLoadedState::TakeLoadedState() : previous_(take_loaded_state) { take_loaded_state = true; }
+TakeLoadedState::~TakeLoadedState() { take_loaded_state = previous_; }
+}  // namespace detail
 
 void load_optimizer_state_dict(optim::Optimizer& optimizer, const StateDict& state) {
   const Codec& codec = require_codec(optimizer);
