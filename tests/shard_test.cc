@@ -378,18 +378,34 @@ TEST(Incremental, PowerCutsDuringALinkingSaveKeepOnlyCommittedCheckpoints) {
   EXPECT_GT(cuts, 40u);
 }
 
+// A layout of one optimizer over `world` processes in parts of `part` elements.
+detail::ZeroLayout zero_layout(int world, std::int64_t total, std::int64_t part,
+                               std::int64_t chunk, std::vector<detail::ZeroLayout::Param> params) {
+  detail::ZeroLayout layout;
+  layout.optimizer = "optimizer";
+  layout.world = world;
+  layout.total = total;
+  layout.part = part;
+  layout.chunk = chunk;
+  layout.params = std::move(params);
+  return layout;
+}
+
+ContainerHeader header_of(const std::string& path) {
+  std::unique_ptr<File> file = Env::posix().open(path, OpenMode::Read);
+  Problems throwing;
+  ContainerHeader header = read_container_header(*file, path, throwing);
+  file->close();
+  return header;
+}
+
 // A ZeRO shard is read only where it meets a process's range: the header whole, then the state
 // of the pieces meeting [begin, end), each checked against its checksum; damage in a piece that
 // is not read goes unseen by that load (another process, or verify, reads it), and damage in a
 // piece that is read is Corruption.
 TEST(Shards, AZeroShardIsReadOnlyWhereItMeetsTheRange) {
   TempDir dir;
-  detail::ZeroLayout layout;
-  layout.optimizer = "optimizer";
-  layout.world = 1;
-  layout.total = 10;
-  layout.part = 10;
-  layout.params = {{0, 0, 0, {6}}, {0, 1, 6, {2, 2}}};
+  const detail::ZeroLayout layout = zero_layout(1, 10, 10, 0, {{0, 0, 0, {6}}, {0, 1, 6, {2, 2}}});
   StateDict shard;
   shard.set("zero.rank", 0);
   shard.set("zero.world", 1);
@@ -411,10 +427,7 @@ TEST(Shards, AZeroShardIsReadOnlyWhereItMeetsTheRange) {
   ASSERT_EQ(second.tensors.size(), 1u);
   EXPECT_EQ(second.tensors[0].first, "state.0.1.exp_avg");
   EXPECT_TRUE(testing::bitwise_equal(second.tensors[0].second, shard.tensor("state.0.1.exp_avg")));
-  std::unique_ptr<File> file = Env::posix().open(path, OpenMode::Read);
-  Problems throwing;
-  const ContainerHeader header = read_container_header(*file, path, throwing);
-  file->close();
+  const ContainerHeader header = header_of(path);
   EXPECT_EQ(read, header.data_start + 4 * sizeof(float));
   // The parse of what was read still knows both pieces and their steps.
   const detail::ZeroShard parsed =
@@ -453,13 +466,7 @@ TEST(Shards, AZeroShardIsReadOnlyWhereItMeetsTheRange) {
 // those elements. A chunk that does not fit its piece is Corruption naming it.
 TEST(Shards, AChunkedZeroShardIsReadOnlyInTheChunksMeetingTheRange) {
   TempDir dir;
-  detail::ZeroLayout layout;
-  layout.optimizer = "optimizer";
-  layout.world = 2;
-  layout.total = 20;
-  layout.part = 10;
-  layout.chunk = 4;
-  layout.params = {{0, 0, 0, {4, 5}}};
+  const detail::ZeroLayout layout = zero_layout(2, 20, 10, 4, {{0, 0, 0, {4, 5}}});
   const at::Tensor exp_avg = testing::make_tensor(at::kFloat, {10}, 3);
   const at::Tensor exp_avg_sq = testing::make_tensor(at::kDouble, {10}, 4);
   StateDict shard;  // rank 1's: elements [10, 20), the parameter's second half
@@ -468,20 +475,15 @@ TEST(Shards, AChunkedZeroShardIsReadOnlyInTheChunksMeetingTheRange) {
   shard.set("zero.0.0.begin", 10);
   shard.set("zero.0.0.numel", 10);
   shard.set("state.0.0.step", 7);
-  for (int k = 0; k < 3; ++k) {
-    const std::int64_t n = std::min<std::int64_t>(4, 10 - 4 * k);
-    shard.set(fmt::format("state.0.0.exp_avg.{}", k), exp_avg.narrow(0, 4 * k, n).clone());
-  }
-  for (int k = 0; k < 3; ++k) {
-    const std::int64_t n = std::min<std::int64_t>(4, 10 - 4 * k);
-    shard.set(fmt::format("state.0.0.exp_avg_sq.{}", k), exp_avg_sq.narrow(0, 4 * k, n).clone());
+  for (const auto& [field, t] : {std::pair{"exp_avg", exp_avg}, {"exp_avg_sq", exp_avg_sq}}) {
+    for (int k = 0; k < 3; ++k) {
+      const std::int64_t n = std::min<std::int64_t>(4, 10 - 4 * k);
+      shard.set(fmt::format("state.0.0.{}.{}", field, k), t.narrow(0, 4 * k, n).clone());
+    }
   }
   const std::string path = dir / "optimizer_zero_1.safetensors";
   write_container(Env::posix(), path, shard.to_container());
-  std::unique_ptr<File> file = Env::posix().open(path, OpenMode::Read);
-  Problems throwing;
-  const ContainerHeader header = read_container_header(*file, path, throwing);
-  file->close();
+  const ContainerHeader header = header_of(path);
 
   // Elements [15, 17) of the flat space: piece elements [5, 7), inside chunk 1 alone.
   std::uint64_t read = 0;
