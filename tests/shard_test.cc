@@ -475,7 +475,8 @@ TEST(Shards, AChunkedZeroShardIsReadOnlyInTheChunksMeetingTheRange) {
   shard.set("zero.0.0.begin", 10);
   shard.set("zero.0.0.numel", 10);
   shard.set("state.0.0.step", 7);
-  for (const auto& [field, t] : {std::pair{"exp_avg", exp_avg}, {"exp_avg_sq", exp_avg_sq}}) {
+  for (const auto& [field, t] :
+       {std::pair{"exp_avg", exp_avg}, std::pair{"exp_avg_sq", exp_avg_sq}}) {
     for (int k = 0; k < 3; ++k) {
       const std::int64_t n = std::min<std::int64_t>(4, 10 - 4 * k);
       shard.set(fmt::format("state.0.0.{}.{}", field, k), t.narrow(0, 4 * k, n).clone());
@@ -487,8 +488,8 @@ TEST(Shards, AChunkedZeroShardIsReadOnlyInTheChunksMeetingTheRange) {
 
   // Elements [15, 17) of the flat space: piece elements [5, 7), inside chunk 1 alone.
   std::uint64_t read = 0;
-  Container part = load_container_part(Env::posix(), path, detail::zero_shard_filter(layout, 15, 17),
-                                       nullptr, &read);
+  Container part = load_container_part(Env::posix(), path,
+                                       detail::zero_shard_filter(layout, 15, 17), nullptr, &read);
   std::vector<std::string> names;
   for (const auto& [name, t] : part.tensors) names.push_back(name);
   EXPECT_EQ(names, (std::vector<std::string>{"state.0.0.exp_avg.1", "state.0.0.exp_avg_sq.1"}));

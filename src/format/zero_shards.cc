@@ -256,7 +256,11 @@ ZeroShard ZeroShard::parse(const StateDict& contents, const ZeroLayout& layout, 
       h.fields.push_back(field);
     }
   }
-  for (auto& [at, piece] : out.pieces) {
+  for (auto& entry : out.pieces) {
+    // Named without a structured binding: the lambda below uses it (clang 14 allows no capture
+    // of a binding).
+    const std::pair<int, int>& at = entry.first;
+    Piece& piece = entry.second;
     auto p = params.find(at);
     const bool fits = p != params.end() && piece.numel > 0 && piece.begin >= 0 &&
                       piece.begin + piece.numel <= p->second->numel() &&
