@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cstdlib>
+#include <limits>
 #include <memory>
 
 #include "torchpoint/error.h"
@@ -22,8 +23,11 @@ constexpr const char* kZeroKey = "zero";
   throw Error(ErrorCode::Corruption, fmt::format("{}: {}", where, what));
 }
 
-bool parse_int(std::string_view text, int& out) {
-  if (text.empty() || text.size() > 9) return false;
+// A count in decimal digits only, of at most `max_digits` digits.
+template <typename T>
+bool parse_count(std::string_view text, T& out,
+                 std::size_t max_digits = std::numeric_limits<T>::digits10) {
+  if (text.empty() || text.size() > max_digits) return false;
   auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), out);
   return ec == std::errc() && end == text.data() + text.size() && out >= 0;
 }
@@ -39,7 +43,7 @@ bool split_key(std::string_view key, std::string_view prefix, int& g, int& i,
   if (a == std::string_view::npos) return false;
   const std::size_t b = key.find('.', a + 1);
   if (b == std::string_view::npos) return false;
-  if (!parse_int(key.substr(0, a), g) || !parse_int(key.substr(a + 1, b - a - 1), i)) {
+  if (!parse_count(key.substr(0, a), g) || !parse_count(key.substr(a + 1, b - a - 1), i)) {
     return false;
   }
   rest = std::string(key.substr(b + 1));
@@ -47,14 +51,11 @@ bool split_key(std::string_view key, std::string_view prefix, int& g, int& i,
 }
 
 // "<field>.<k>" -> field, k (a chunk's key, after the parameter's "state.<g>.<i>.").
-bool split_chunk(std::string_view rest, std::string& field, std::int64_t& k) {
+bool split_chunk(std::string_view rest, std::string_view& field, std::int64_t& k) {
   const std::size_t dot = rest.rfind('.');
   if (dot == std::string_view::npos || dot == 0) return false;
-  const std::string_view digits = rest.substr(dot + 1);
-  if (digits.empty() || digits.size() > 12) return false;
-  auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), k);
-  if (ec != std::errc() || end != digits.data() + digits.size() || k < 0) return false;
-  field = std::string(rest.substr(0, dot));
+  if (!parse_count(rest.substr(dot + 1), k, 12)) return false;
+  field = rest.substr(0, dot);
   return true;
 }
 
@@ -65,8 +66,7 @@ std::int64_t zero_chunk_elements() {
   if (text == nullptr || *text == '\0') return kZeroChunkElements;
   std::int64_t n = 0;
   const std::string_view view(text);
-  auto [end, ec] = std::from_chars(view.data(), view.data() + view.size(), n);
-  if (ec != std::errc() || end != view.data() + view.size() || n <= 0) {
+  if (!parse_count(view, n) || n == 0) {
     throw Error(ErrorCode::InvalidArgument,
                 fmt::format("TORCHPOINT_ZERO_CHUNK_ELEMENTS is '{}': give a positive number of "
                             "elements, or unset it for the default {}",
@@ -106,7 +106,7 @@ TensorFilter zero_shard_filter(const ZeroLayout& layout, std::int64_t begin, std
     if (offset == offsets.end() || piece == pieces->end()) return true;
     std::int64_t first = offset->second + piece->second.first;
     std::int64_t numel = piece->second.second;
-    std::string field;
+    std::string_view field;
     std::int64_t k = 0;
     if (chunk > 0) {
       if (!split_chunk(rest, field, k) || k >= (numel + chunk - 1) / chunk) return true;
@@ -240,7 +240,7 @@ ZeroShard ZeroShard::parse(const StateDict& contents, const ZeroLayout& layout, 
     if (!split_key(key, "state", g, i, rest)) continue;
     out.pieces[{g, i}];
     Held& h = held[{g, i}];
-    std::string field = rest;
+    std::string_view field = rest;
     std::int64_t k = 0;
     if (std::holds_alternative<at::Tensor>(value)) {
       if (layout.chunk > 0 && !split_chunk(rest, field, k)) {
@@ -248,12 +248,12 @@ ZeroShard ZeroShard::parse(const StateDict& contents, const ZeroLayout& layout, 
                                    "the layout cuts pieces into chunks of {} elements",
                                    name, key, layout.chunk));
       }
-      h.chunks[k][field] = std::get<at::Tensor>(value);
+      h.chunks[k][std::string(field)] = std::get<at::Tensor>(value);
     } else {
-      h.values.set(field, std::get<Json>(value));
+      h.values.set(std::string(field), std::get<Json>(value));
     }
     if (std::find(h.fields.begin(), h.fields.end(), field) == h.fields.end()) {
-      h.fields.push_back(field);
+      h.fields.emplace_back(field);
     }
   }
   for (auto& entry : out.pieces) {
