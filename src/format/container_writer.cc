@@ -119,6 +119,9 @@ struct PlannedTensor {
   std::size_t caller_index;
   at::Tensor tensor;  // contiguous, on the CPU
   const DtypeInfo* dtype;
+  // tensor's bytes, taken while planning: with thousands of small tensors, going back to each
+  // TensorImpl after the data has streamed through the cache was a cache miss per tensor.
+  const std::uint8_t* data = nullptr;
   std::uint64_t begin = 0;
   std::uint64_t end = 0;
   std::uint64_t checksum = 0;
@@ -207,24 +210,53 @@ std::vector<PlannedTensor> plan(const Container& contents) {
     }
     const DtypeInfo& dtype = dtype_info(tensor.scalar_type(), name);
     at::Tensor cpu = tensor.device().is_cpu() ? tensor : tensor.to(c10::kCPU);
-    planned.push_back({&name, planned.size(), cpu.contiguous(), &dtype});
+    at::Tensor contiguous = cpu.contiguous();
+    const auto* data = static_cast<const std::uint8_t*>(contiguous.data_ptr());
+    const auto bytes = static_cast<std::uint64_t>(contiguous.numel()) * dtype.size;
+    // begin and end hold the size until the tensors are in data order.
+    planned.push_back({&name, planned.size(), std::move(contiguous), &dtype, data, 0, bytes});
   }
   std::stable_sort(planned.begin(), planned.end(),
                    [](const auto& a, const auto& b) { return a.dtype->size > b.dtype->size; });
   std::uint64_t offset = 0;
   for (PlannedTensor& p : planned) {
     p.begin = offset;
-    offset += static_cast<std::uint64_t>(p.tensor.numel()) * p.dtype->size;
+    offset += p.end;
     p.end = offset;
   }
   return planned;
 }
 
-// The header text, padded so that 8 + its length is a multiple of `align`.
-std::string build_header(const Container& contents, const std::vector<PlannedTensor>& planned,
-                         std::size_t align, bool hugging_face_format) {
+// The header text, padded so that 8 + its length is a multiple of `align`, with every
+// tensor's checksum still 16 '0's: its length does not depend on them, so it is built once,
+// before the data is written, and the checksums are filled in at `sum_at` afterwards.
+struct HeaderText {
+  std::string text;
+  std::vector<std::size_t> sum_at;  // where each tensor's checksum digits start, caller's order
+  std::size_t header_sum_at = 0;    // where the header's own checksum digits start
+};
+
+// Where the bytes at `at` (ascending offsets into `json_text`) land once append_escaped() has
+// copied it from `start` on: after the opening quote, shifted by each quote or backslash before
+// them, which gains a backslash.
+void map_escaped(std::string_view json_text, std::size_t start, std::vector<std::size_t>& at) {
+  std::size_t escapes = 0;
+  std::size_t scanned = 0;
+  for (std::size_t& position : at) {
+    for (; scanned < position; ++scanned) {
+      const char c = json_text[scanned];
+      escapes += (c == '"' || c == '\\') ? 1 : 0;
+    }
+    position += start + 1 + escapes;
+  }
+}
+
+HeaderText build_header(const Container& contents, const std::vector<PlannedTensor>& planned,
+                        std::size_t align, bool hugging_face_format) {
   // Appended piece by piece: one fmt::format per tensor was another quarter of the time.
-  std::string header = "{";
+  HeaderText out;
+  std::string& header = out.text;
+  header = "{";
   header.reserve(planned.size() * 96 + 512);
   for (const PlannedTensor& p : planned) {
     append_json_string(header, *p.name, "tensor name");
@@ -245,19 +277,20 @@ std::string build_header(const Container& contents, const std::vector<PlannedTen
   }
   // [name, checksum] pairs in the caller's order, which is how the reader recovers that order.
   // Built as text: a JSON object of thousands of keys costs quadratic time in ordered_json.
-  std::vector<std::uint64_t> sums(contents.tensors.size());
-  for (const PlannedTensor& p : planned) sums[p.caller_index] = p.checksum;
+  const std::string zeros(kChecksumHexLength, '0');
   std::string meta_text = fmt::format(
       "{{\"format\":\"{}\",\"format_version\":\"{}.{}\",\"torchpoint_version\":\"{}\","
       "\"tensors\":[",
       kFormatName, kFormatMajor, kFormatMinor, TORCHPOINT_VERSION);
   meta_text.reserve(meta_text.size() + contents.tensors.size() * 40 + 64);
+  out.sum_at.reserve(contents.tensors.size());
   for (std::size_t i = 0; i < contents.tensors.size(); ++i) {
     if (i > 0) meta_text += ',';
     meta_text += '[';
     append_json_string(meta_text, contents.tensors[i].first, "tensor name");
     meta_text += ",\"";
-    meta_text += checksum_hex(sums[i]);
+    out.sum_at.push_back(meta_text.size());
+    meta_text += zeros;
     meta_text += "\"]";
   }
   meta_text += "],\"state\":";
@@ -272,12 +305,25 @@ std::string build_header(const Container& contents, const std::vector<PlannedTen
   // (transformers, accelerate) refuse a safetensors file without it; torchpoint ignores it.
   header += fmt::format("\"{}\":{{{}\"{}\":", kMetadataKey,
                         hugging_face_format ? "\"format\":\"pt\"," : "", kTorchpointKey);
+  const std::size_t meta_start = header.size();
   append_escaped(header, meta_text);
-  header += fmt::format(",\"{}\":\"{}\"}}}}", kHeaderChecksumKey,
-                        std::string(kChecksumHexLength, '0'));
+  map_escaped(meta_text, meta_start, out.sum_at);
+  header += fmt::format(",\"{}\":\"", kHeaderChecksumKey);
+  out.header_sum_at = 8 + header.size();
+  header += zeros;
+  header += "\"}}";
+  for (std::size_t& at : out.sum_at) {
+    // The metadata holds no control character (names and state come from dump(), which
+    // escapes them), so append_escaped() added only the backslashes map_escaped() counts.
+    if (header.compare(at, kChecksumHexLength, zeros) != 0 || header[at - 1] != '"') {
+      throw Error(ErrorCode::InvalidArgument,
+                  "a tensor's checksum is not where the header builder placed it (internal error)");
+    }
+    at += 8;  // offsets in the file: after the length prefix
+  }
   std::uint64_t padded = round_up(8 + header.size(), align) - 8;
   header.resize(padded, ' ');
-  return header;
+  return out;
 }
 
 // Writes full chunks on a second thread while the caller fills the next one.
@@ -412,10 +458,10 @@ class ChunkPipeline {
 const std::uint8_t* staged_image(const std::vector<PlannedTensor>& planned, std::uint64_t data_size,
                                  bool direct, const detail::StagingGate& gate) {
   if (planned.empty()) return nullptr;
-  const auto* image = static_cast<const std::uint8_t*>(planned.front().tensor.data_ptr());
+  const std::uint8_t* image = planned.front().data;
   if (direct && reinterpret_cast<std::uintptr_t>(image) % kDirectAlign != 0) return nullptr;
   for (const PlannedTensor& p : planned) {
-    if (static_cast<const std::uint8_t*>(p.tensor.data_ptr()) != image + p.begin) return nullptr;
+    if (p.data != image + p.begin) return nullptr;
   }
   const std::uint64_t extent = direct ? round_up(data_size, kDirectAlign) : data_size;
   return gate.contains(image, static_cast<std::size_t>(extent)) ? image : nullptr;
@@ -471,7 +517,7 @@ std::uint64_t write_data(File& file, std::vector<PlannedTensor>& planned, std::u
     used = 0;
   };
   for (PlannedTensor& p : planned) {
-    const auto* src = static_cast<const std::uint8_t*>(p.tensor.data_ptr());
+    const std::uint8_t* src = p.data;
     std::uint64_t remaining = p.end - p.begin;
     // An asynchronous save may still be copying this tensor into its staging memory.
     if (gate != nullptr) gate->wait_for(src, static_cast<std::size_t>(remaining));
@@ -525,24 +571,22 @@ WrittenFile write_container(Env& env, const std::string& path, const Container& 
 
   // The header's length does not depend on the checksums (fixed-width hex), so the data can be
   // written first, at its final offset, and the header once the checksums are known.
-  std::uint64_t data_start = 8 + build_header(contents, planned, align, hugging_face_format).size();
+  HeaderText header = build_header(contents, planned, align, hugging_face_format);
+  std::uint64_t data_start = 8 + header.text.size();
   std::uint64_t padding = write_data(*file, planned, data_start, data_size);
 
-  std::string header = build_header(contents, planned, align, hugging_face_format);
-  if (8 + header.size() != data_start) {
-    throw Error(ErrorCode::InvalidArgument,
-                fmt::format("header of {} changed length while writing (internal error)", path));
-  }
   AlignedBuffer head = allocate_aligned(data_start);
-  std::uint64_t header_len = header.size();
+  std::uint64_t header_len = header.text.size();
   for (int i = 0; i < 8; ++i) head.get()[i] = static_cast<std::uint8_t>(header_len >> (8 * i));
-  std::memcpy(head.get() + 8, header.data(), header.size());
+  std::memcpy(head.get() + 8, header.text.data(), header.text.size());
+  for (const PlannedTensor& p : planned) {
+    const std::string hex = checksum_hex(p.checksum);
+    std::memcpy(head.get() + header.sum_at[p.caller_index], hex.data(), hex.size());
+  }
   // The header checksum is computed with its own 16 digits still '0', then filled in.
   std::uint64_t header_checksum = xxh3(head.get(), data_start);
-  std::string hex = checksum_hex(header_checksum);
-  std::string_view text(reinterpret_cast<const char*>(head.get()), data_start);
-  std::size_t at = text.rfind(fmt::format("\"{}\":\"", kHeaderChecksumKey));
-  std::memcpy(head.get() + at + kHeaderChecksumKey.size() + 4, hex.data(), hex.size());
+  const std::string hex = checksum_hex(header_checksum);
+  std::memcpy(head.get() + header.header_sum_at, hex.data(), hex.size());
   file->write_all(head.get(), data_start, 0);
 
   std::uint64_t file_size = data_start + data_size;
