@@ -104,7 +104,9 @@ class FaultFile final : public File {
   }
   std::size_t read_at(void* data, std::size_t size, std::uint64_t offset) override {
     env_.before(Op::Read, path());
-    return base_->read_at(data, size, offset);
+    const std::size_t got = base_->read_at(data, size, offset);
+    env_.note_read(got);
+    return got;
   }
   void sync() override {
     env_.before(Op::Sync, path());

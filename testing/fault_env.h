@@ -7,6 +7,7 @@
 // sync; simulate_power_cut() rewinds the real files to that state.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -77,6 +78,9 @@ class FaultEnv : public Env {
   // Number of calls so far and whether any injected fault fired.
   std::uint64_t calls() const;
   std::uint64_t faults_fired() const;
+  // Bytes the files of this env have returned from reads so far (every thread's).
+  std::uint64_t bytes_read() const { return bytes_read_.load(); }
+  void note_read(std::size_t bytes) { bytes_read_.fetch_add(bytes); }
   // "op path" for every call, in order.
   std::vector<std::string> log() const;
   void clear_log();
@@ -141,6 +145,7 @@ class FaultEnv : public Env {
   bool short_writes_ = false;
   bool real_syncs_ = true;
   std::uint64_t calls_ = 0;
+  std::atomic<std::uint64_t> bytes_read_{0};
   std::uint64_t fired_ = 0;
   std::vector<std::string> log_;
   std::map<Op, std::uint64_t> drop_countdown_;

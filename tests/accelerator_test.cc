@@ -233,6 +233,31 @@ TEST(Accelerator, CorruptNewestCheckpointFallsBackToThePreviousWithAWarning) {
   EXPECT_EQ(again.counters.step, 20);
 }
 
+// The automatic choice does not verify the newest checkpoint and then read it again: its one
+// read verifies every byte before anything changes (a corrupt one is passed over, above). So a
+// resume reads about the checkpoint's size, where a verify first read it twice.
+TEST(Accelerator, AnAutomaticLoadReadsTheCheckpointOnce) {
+  TempDir dir;
+  {
+    AcceleratorJob job(automatic(dir.path()), Env::posix(), /*hidden=*/256);
+    job.train(/*save_every=*/10);  // checkpoint_0 (step 10) .. checkpoint_2 (step 30)
+  }
+  std::uint64_t size = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir / "checkpoints/checkpoint_2")) {
+    size += entry.file_size();
+  }
+  testing::FaultEnv counting;
+  AcceleratorJob again(automatic(dir.path()), counting, /*hidden=*/256);
+  const std::uint64_t before = counting.bytes_read();
+  LoadStateReport r = again.acc.load_state();
+  const std::uint64_t read = counting.bytes_read() - before;
+  EXPECT_EQ(r.path, dir / "checkpoints/checkpoint_2");
+  EXPECT_TRUE(r.skipped.empty());
+  EXPECT_EQ(again.counters.step, 30);
+  EXPECT_GE(read, size * 9 / 10);
+  EXPECT_LT(read, size * 3 / 2) << "the checkpoint (" << size << " bytes) was read " << read;
+}
+
 TEST(Accelerator, TotalLimitDeletesOldestByNumberOnlyAfterCommit) {
   TempDir dir;
   AcceleratorJob job(automatic(dir.path()).total_limit(3));

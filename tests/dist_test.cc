@@ -857,10 +857,10 @@ TEST(DistributedAccelerator, AWriteFailingOnOneRankCommitsNothing) {
 
 // A damaged byte in a checkpoint two processes load: both refuse it, each naming the tensor, and
 // neither goes on to use it (no process saves afterwards), whether the damage is at the start or
-// at the end of the model's data. Each process hashes every byte it reads: an experiment that
+// at the end of the model's data; chosen automatically, both pass it over for the one before. Each process hashes every byte it reads: an experiment that
 // split the hashing between the processes of a node was not faster (README, "Multi-process
 // loads"), and would have made one process trust bytes it read but another checked.
-TEST(DistributedAccelerator, ADamagedByteMakesEveryProcessRefuseTheLoad) {
+TEST(DistributedAccelerator, ADamagedByteMakesEveryProcessRefuseTheLoadOrPassItOver) {
   tt::TempDir dir;
   ChildRun first = run_child(dir.path(), "first", 2, "stop:step:8", 16, 0);
   ASSERT_EQ(first.status, 0) << first.output;
@@ -890,6 +890,21 @@ TEST(DistributedAccelerator, ADamagedByteMakesEveryProcessRefuseTheLoad) {
       EXPECT_TRUE(load.logs[r].other["reshard_read"].empty()) << "rank " << r;
     }
     EXPECT_FALSE(std::filesystem::exists(sub + "/project/resaved_0"));
+  }
+  // The automatic choice reads the newest checkpoint without a verify first: damaged, every
+  // process passes it over together and resumes from the one before.
+  const std::string model = saved + "/model.safetensors";
+  tt::flip_bit(model, tt::file_size(model) - 1, 4);
+  ChildRun resume =
+      run_child(dir.path(), "resume", 2, "none", 16, 0, "TORCHPOINT_TEST_NO_LOAD_HOOK=1");
+  ASSERT_EQ(resume.status, 0) << resume.output;
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(resume.logs[r].other["resumed"].size(), 1u) << "rank " << r;
+    EXPECT_NE(resume.logs[r].other["resumed"][0].find("checkpoint_0"), std::string::npos)
+        << resume.logs[r].other["resumed"][0];
+    ASSERT_EQ(resume.logs[r].other["skipped"].size(), 1u) << "rank " << r;
+    EXPECT_NE(resume.logs[r].other["skipped"][0].find("checkpoint_1"), std::string::npos)
+        << resume.logs[r].other["skipped"][0];
   }
 }
 

@@ -958,32 +958,54 @@ struct Accelerator::Loading {
   bool needs_shard(const detail::ZeroLayout& saved, int rank) const;
   void assemble_zero();
 
-  void choose(const std::string& input_dir);
+  // With `passed_over`, the automatic choice takes the newest committed checkpoint not in it,
+  // which read() then verifies (read_unless_corrupt); without, a checkpoint verified first.
+  void choose(const std::string& input_dir, const std::vector<std::string>* passed_over = nullptr);
   void choose_on_every_node();
   void read();
+  std::string read_unless_corrupt();
   void restore();
   LoadStateReport finish();
 };
 
-void Accelerator::Loading::choose(const std::string& input_dir) {
+void Accelerator::Loading::choose(const std::string& input_dir,
+                                  const std::vector<std::string>* passed_over) {
+  auto none_valid = [&] {
+    return Error(ErrorCode::NotFound,
+                 fmt::format("no valid checkpoint under {}{}; save one with save_state() first",
+                             acc.checkpoints_dir(),
+                             report.skipped.empty() ? ""
+                                                    : fmt::format(" ({} invalid ones skipped)",
+                                                                  report.skipped.size())));
+  };
   auto newest = [&]() -> std::string {
     if (!input_dir.empty()) return input_dir;
     std::string found = detail::newest_valid(detail::committed_checkpoints(acc.checkpoints_dir(),
                                                                            acc.env_),
                                              acc.env_, &report.skipped)
                             .value_or("");
-    if (found.empty()) {
-      throw Error(ErrorCode::NotFound,
-                  fmt::format("no valid checkpoint under {}{}; save one with save_state() first",
-                              acc.checkpoints_dir(),
-                              report.skipped.empty() ? ""
-                                                     : fmt::format(" ({} invalid ones skipped)",
-                                                                   report.skipped.size())));
-    }
+    if (found.empty()) throw none_valid();
     return found;
   };
   if (input_dir.empty() && acc.saves_per_node()) {
     choose_on_every_node();
+    return;
+  }
+  if (input_dir.empty() && passed_over != nullptr) {
+    auto newest_unread = [&]() -> std::string {
+      const auto committed = detail::committed_checkpoints(acc.checkpoints_dir(), acc.env_);
+      for (auto it = committed.rbegin(); it != committed.rend(); ++it) {
+        if (std::find(passed_over->begin(), passed_over->end(), it->second) ==
+            passed_over->end()) {
+          return it->second;
+        }
+      }
+      return "";
+    };
+    path = acc.group_ ? acc.group_->decided_by_main(newest_unread,
+                                                    "load_state(): choosing the checkpoint")
+                      : newest_unread();
+    if (path.empty()) throw none_valid();
     return;
   }
   // With several processes the main process chooses, so that all load the same one.
@@ -1140,6 +1162,40 @@ void Accelerator::Loading::read() {
   }
 }
 
+// read() of a checkpoint that was chosen without being verified first: "" once it is read, or
+// why it is to be passed over when every process that failed proved it corrupt (the read
+// verifies every byte it uses before anything changes, so nothing changed). Anything else
+// (an I/O error, a checkpoint of a newer torchpoint) is not proof: the checkpoint may be
+// intact, and resuming from an older one would lose its progress, so that is an error.
+std::string Accelerator::Loading::read_unless_corrupt() {
+  try {
+    read();
+    return "";
+  } catch (const std::exception& e) {
+    const auto* error = dynamic_cast<const Error*>(&e);
+    const bool corrupt = error != nullptr && error->code() == ErrorCode::Corruption;
+    // Every process throws here when any failed; all pass over it only if none failed otherwise.
+    try {
+      std::exception_ptr not_proof = corrupt ? nullptr : std::current_exception();
+      if (acc.group_) {
+        acc.group_->agree(not_proof, "load_state(): whether the newest checkpoint is corrupt");
+      } else if (not_proof) {
+        std::rethrow_exception(not_proof);
+      }
+    } catch (const std::exception& why) {
+      const auto* cause = dynamic_cast<const Error*>(&why);
+      throw Error(cause != nullptr ? cause->code() : ErrorCode::IOError,
+                  fmt::format("the newest checkpoint {} cannot be loaded, and nothing shows it is "
+                              "corrupt, so it is not passed over: {}. Fix the cause (file "
+                              "permissions, the disk, a newer torchpoint) and load again; to "
+                              "resume from an older one instead, move {} aside or pass that "
+                              "one's path",
+                              path, why.what(), path));
+    }
+    return e.what();
+  }
+}
+
 bool Accelerator::Loading::needs_shard(const detail::ZeroLayout& saved, int rank) const {
   for (const auto& [name, zero] : acc.sharded(acc.component_names())) {
     if (name != saved.optimizer) continue;
@@ -1291,6 +1347,32 @@ LoadStateReport Accelerator::Loading::finish() {
 
 LoadStateReport Accelerator::load_state(const std::string& input_dir) {
   wait_for_checkpoint();
+  // The automatic choice reads the newest committed checkpoint at once: its read verifies every
+  // byte before anything changes, so a separate verify first would read the checkpoint twice.
+  // One that proves corrupt is passed over for the next older one, as a verify would have.
+  // Not with load hooks, which act on the chosen folder themselves before it is read.
+  const bool read_verifies =
+      input_dir.empty() && !saves_per_node() && load_hooks_->snapshot().empty();
+  if (read_verifies) {
+    std::vector<std::string> passed_over, skipped;
+    for (;;) {
+      Loading loading(*this);
+      loading.report.skipped = skipped;
+      loading.choose(input_dir, &passed_over);
+      const std::string why = loading.read_unless_corrupt();
+      if (why.empty()) {
+        loading.restore();
+        return loading.finish();
+      }
+      passed_over.push_back(loading.path);
+      skipped = std::move(loading.report.skipped);
+      skipped.push_back(fmt::format("{}: {}", loading.path, why));
+      if (is_main_process()) {
+        std::fprintf(stderr, "torchpoint: skipping invalid checkpoint %s\n",
+                     skipped.back().c_str());
+      }
+    }
+  }
   Loading loading(*this);
   loading.choose(input_dir);
   // The hooks may take models out of the list (they loaded them): the ones left are read from
