@@ -137,7 +137,8 @@ n = int(sys.argv[2])
 def med(op, processes, system):
     return statistics.median(r["seconds"] for r in rows if r["op"] == op and
                              r["processes"] == processes and r["system"] in system)
-for op in ("accelerator_save", "accelerator_load", "memcpy", "pread"):
+for op in ("accelerator_save", "accelerator_load", "accelerator_load_automatic", "memcpy",
+           "pread"):
     one = med(op, 1, ("torchpoint", "memcpy", "pread"))
     many = med(op, n, ("torchpoint", "memcpy", "pread"))
     line = f"S2 {op}: 1 process {one:.3f} s, {n} processes {many:.3f} s, ratio {many / one:.2f}"
@@ -145,6 +146,11 @@ for op in ("accelerator_save", "accelerator_load", "memcpy", "pread"):
         alone = med(op, n, ("independent",))
         line += f"; {n} processes each alone {alone:.3f} s ({alone / one:.2f})"
     print(line)
+# What the automatic choice cost while it verified the newest checkpoint before reading it.
+verify_first = med("verify_then_load", 1, ("torchpoint",))
+automatic = med("accelerator_load_automatic", 1, ("torchpoint",))
+print(f"S2 load_state() on 1 process: {automatic:.3f} s; verify() of the newest first, then "
+      f"load_state(newest): {verify_first:.3f} s ({verify_first / automatic:.2f}x)")
 # The cores' floor: the CPU time the processes' loads take together, spread over every core.
 import os
 def cpu(processes):

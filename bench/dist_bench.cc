@@ -36,6 +36,7 @@
 #include "s2_model.h"
 #include "torchpoint/accelerator.h"
 #include "torchpoint/process_group.h"
+#include "torchpoint/tensor_file.h"
 
 namespace {
 
@@ -201,7 +202,7 @@ int run(const Options& o) {
   tp::ProcessGroup* timing = o.independent ? nullptr : group.get();
   auto store_requests = [&] { return group ? group->store_requests() : std::uint64_t{0}; };
 
-  std::vector<double> save_seconds, load_seconds;
+  std::vector<double> save_seconds, load_seconds, auto_seconds, verify_first_seconds;
   std::vector<std::uint64_t> written, read, save_messages, load_messages;
   std::vector<std::vector<double>> load_cpu;  // by rank, each repetition's CPU seconds
   std::string newest = o.load_from;
@@ -230,6 +231,19 @@ int run(const Options& o) {
     keep_max(load_messages, per_rank(timing, store_requests() - before));
     keep_max(read, per_rank(timing, report.bytes_read));
     saved_processes = report.saved_world_size;
+    if (o.load_from.empty()) {
+      // load_state() with the automatic choice, as a resume calls it; on one process also what
+      // that cost while the choice verified the newest checkpoint before reading it again.
+      if (owner && !o.hot) evict(newest);
+      auto_seconds.push_back(timed(group.get(), [&] { accelerator.load_state(); }));
+      if (processes == 1) {
+        if (owner && !o.hot) evict(newest);
+        verify_first_seconds.push_back(timed(group.get(), [&] {
+          if (!tp::verify(newest).ok()) throw std::runtime_error(newest + " does not verify");
+          accelerator.load_state(newest);
+        }));
+      }
+    }
   }
   // The machine's share of the work: every process copies as many bytes as the checkpoint holds,
   // at the same time, between the same barriers; on one process this is the copy a load must at
@@ -303,6 +317,8 @@ int run(const Options& o) {
     };
     if (!save_seconds.empty()) line("accelerator_save", save_seconds);
     line("accelerator_load", load_seconds);
+    if (!auto_seconds.empty()) line("accelerator_load_automatic", auto_seconds);
+    if (!verify_first_seconds.empty()) line("verify_then_load", verify_first_seconds);
     if (!memcpy_seconds.empty()) line("memcpy", memcpy_seconds);
     if (!pread_seconds.empty()) line("pread", pread_seconds);
   } else {
@@ -318,6 +334,14 @@ int run(const Options& o) {
     fmt::print("load_state  median {:.3f} s ({}, {:.0f} MB/s), bytes read per rank {}\n",
                median(load_seconds), o.hot ? "hot" : "cold",
                static_cast<double>(bytes) / median(load_seconds) / 1e6, fmt::join(read, " "));
+    if (!auto_seconds.empty()) {
+      fmt::print("load_state() median {:.3f} s (the automatic choice of the newest checkpoint)\n",
+                 median(auto_seconds));
+    }
+    if (!verify_first_seconds.empty()) {
+      fmt::print("verify, load median {:.3f} s (verify() of the newest first, then load_state)\n",
+                 median(verify_first_seconds));
+    }
     if (!memcpy_seconds.empty()) {
       fmt::print("memcpy      median {:.3f} s (the same bytes, in every process at once)\n",
                  median(memcpy_seconds));
