@@ -80,7 +80,6 @@ class FaultEnv : public Env {
   std::uint64_t faults_fired() const;
   // Bytes the files of this env have returned from reads so far (every thread's).
   std::uint64_t bytes_read() const { return bytes_read_.load(); }
-  void note_read(std::size_t bytes) { bytes_read_.fetch_add(bytes); }
   // "op path" for every call, in order.
   std::vector<std::string> log() const;
   void clear_log();
@@ -116,6 +115,7 @@ class FaultEnv : public Env {
   std::size_t reserve_budget(const std::string& path, std::size_t size, bool direct);
   void give_back_budget(std::size_t unused);
   void note_write(const std::string& path, std::uint64_t end);
+  void note_read(std::size_t bytes) { bytes_read_.fetch_add(bytes); }
   void note_sync(const std::string& path);
   Env& base() { return base_; }
 

@@ -56,19 +56,26 @@ std::optional<std::string> newest_valid(
       // Unreadable (permissions, I/O error) or written by a newer torchpoint: its contents may
       // be intact. Resuming from an older one would silently lose its progress, and retention
       // could then delete it.
-      throw Error(verified.worst_code(),
-                  fmt::format("the newest checkpoint {} cannot be loaded, and nothing shows it "
-                              "is corrupt, so it is not passed over: {}. Fix the cause (file "
-                              "permissions, the disk, a newer torchpoint) and load again; to "
-                              "resume from an older one instead, move {} aside or pass that "
-                              "one's path",
-                              it->second, verified.problems.front(), it->second));
+      throw not_passed_over(it->second, verified.problems.front(), verified.worst_code());
     }
     std::string why = fmt::format("{}: {}", it->second, verified.problems.front());
-    std::fprintf(stderr, "torchpoint: skipping invalid checkpoint %s\n", why.c_str());
+    warn_passed_over(why);
     if (skipped != nullptr) skipped->push_back(why);
   }
   return std::nullopt;
+}
+
+Error not_passed_over(const std::string& path, const std::string& problem, ErrorCode code) {
+  return Error(code, fmt::format("the newest checkpoint {} cannot be loaded, and nothing shows it "
+                                 "is corrupt, so it is not passed over: {}. Fix the cause (file "
+                                 "permissions, the disk, a newer torchpoint) and load again; to "
+                                 "resume from an older one instead, move {} aside or pass that "
+                                 "one's path",
+                                 path, problem, path));
+}
+
+void warn_passed_over(const std::string& why) {
+  std::fprintf(stderr, "torchpoint: skipping invalid checkpoint %s\n", why.c_str());
 }
 
 void ensure_directory(Env& env, const std::string& dir) {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "torchpoint/env.h"
+#include "torchpoint/error.h"
 
 namespace torchpoint::detail {
 
@@ -29,6 +30,12 @@ std::uint64_t next_checkpoint_number(const std::string& dir, Env& env);
 std::optional<std::string> newest_valid(
     const std::vector<std::pair<std::uint64_t, std::string>>& oldest_first, Env& env,
     std::vector<std::string>* skipped = nullptr);
+
+// What a load that chose `path` itself says when it cannot load it (`problem`, of `code`) and
+// nothing proves it corrupt: an error naming it, never a quiet fall-back to an older one.
+Error not_passed_over(const std::string& path, const std::string& problem, ErrorCode code);
+// The line on stderr for a checkpoint passed over as corrupt; `why` is "PATH: problem".
+void warn_passed_over(const std::string& why);
 
 // mkdir -p, then the parent's directory entry synced.
 void ensure_directory(Env& env, const std::string& dir);

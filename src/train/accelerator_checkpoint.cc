@@ -1184,13 +1184,8 @@ std::string Accelerator::Loading::read_unless_corrupt() {
       }
     } catch (const std::exception& why) {
       const auto* cause = dynamic_cast<const Error*>(&why);
-      throw Error(cause != nullptr ? cause->code() : ErrorCode::IOError,
-                  fmt::format("the newest checkpoint {} cannot be loaded, and nothing shows it is "
-                              "corrupt, so it is not passed over: {}. Fix the cause (file "
-                              "permissions, the disk, a newer torchpoint) and load again; to "
-                              "resume from an older one instead, move {} aside or pass that "
-                              "one's path",
-                              path, why.what(), path));
+      throw detail::not_passed_over(path, why.what(),
+                                    cause != nullptr ? cause->code() : ErrorCode::IOError);
     }
     return e.what();
   }
@@ -1367,10 +1362,7 @@ LoadStateReport Accelerator::load_state(const std::string& input_dir) {
       passed_over.push_back(loading.path);
       skipped = std::move(loading.report.skipped);
       skipped.push_back(fmt::format("{}: {}", loading.path, why));
-      if (is_main_process()) {
-        std::fprintf(stderr, "torchpoint: skipping invalid checkpoint %s\n",
-                     skipped.back().c_str());
-      }
+      if (is_main_process()) detail::warn_passed_over(skipped.back());
     }
   }
   Loading loading(*this);
