@@ -993,6 +993,47 @@ TEST(Golden, HeaderTextIsExactlyWhatNlohmannWrites) {
   EXPECT_EQ(back.state, c.state);
 }
 
+// From 1,024 tensors the header is built on a second thread while the first chunks of data
+// fill, and those wait for it to learn where the data starts. The file must be what one thread
+// writes: names and values in the caller's order, the header nlohmann's text, and a name that
+// cannot be written stops the save before any file is left.
+TEST(Golden, ManyTensorsWrittenWhileTheirHeaderIsBuiltReadBackExactly) {
+  TempDir dir;
+  Container c;
+  // 1,500 tensors, 8-byte and 4-byte and 1-byte elements interleaved (so they are reordered for
+  // the data), 36 MiB in all: several 8 MiB chunks fill before the header can be ready.
+  for (int i = 0; i < 1500; ++i) {
+    const at::ScalarType type = i % 3 == 0 ? at::kDouble : i % 3 == 1 ? at::kFloat : at::kByte;
+    const std::int64_t elements = i % 50 == 0 ? 300000 : 1000 + i;
+    c.tensors.emplace_back(fmt::format("layer.{}.w{}", i, i % 7 == 0 ? "\"q\"" : ""),
+                           make_tensor(type, {elements}, i));
+  }
+  c.state = {{"step", 9}};
+  save_file(dir / "many.safetensors", c);
+
+  const std::string bytes = testing::read_bytes(dir / "many.safetensors");
+  std::uint64_t length = 0;
+  for (int i = 7; i >= 0; --i) length = length << 8 | static_cast<unsigned char>(bytes[i]);
+  ASSERT_LE(8 + length, bytes.size());
+  std::string header = bytes.substr(8, length);
+  header.erase(header.find_last_not_of(' ') + 1);
+  EXPECT_EQ(header, nlohmann::ordered_json::parse(header).dump());
+
+  Container back = load_file(dir / "many.safetensors");
+  ASSERT_EQ(back.tensors.size(), c.tensors.size());
+  for (std::size_t i = 0; i < c.tensors.size(); ++i) {
+    ASSERT_EQ(back.tensors[i].first, c.tensors[i].first);
+    ASSERT_TRUE(testing::bitwise_equal(back.tensors[i].second, c.tensors[i].second)) << i;
+  }
+  EXPECT_EQ(back.state, c.state);
+  EXPECT_TRUE(verify(dir / "many.safetensors").ok());
+
+  c.tensors[1400].first = "bad\xff\xfe";
+  expect_error([&] { save_file(dir / "bad.safetensors", c); }, ErrorCode::InvalidArgument,
+               {"not valid UTF-8"});
+  EXPECT_EQ(testing::list_sorted(dir.path()), std::vector<std::string>{"many.safetensors"});
+}
+
 TEST(Golden, TodaysWriterStillProducesTheVersion1Bytes) {
   // While the format version is 1.0 and the library 0.1.0, a save is byte-identical to the golden.
   if (std::string(TORCHPOINT_TEST_VERSION) != "0.1.0") GTEST_SKIP() << "library version changed";
