@@ -15,6 +15,7 @@
 #include "format/checksum.h"
 #include "format/container.h"
 #include "format/dtype.h"
+#include "format/json_depth.h"
 #include "format/ordered_json.h"
 #include "io/atomic_commit.h"
 #include "io/filename.h"
@@ -606,6 +607,58 @@ TEST(BadInput, OddHeadersAreJudgedAsBefore) {
     testing::write_bytes(path, bytes);
     expect_error([&] { load_file(path); }, ErrorCode::Corruption, {"a hole"});
     EXPECT_FALSE(verify(path).ok());
+  }
+}
+
+// Nesting is bounded wherever a header holds it: in a member of a tensor's entry or of
+// __metadata__ that torchpoint does not read, in the torchpoint metadata or its state. Up to
+// 1,000 levels in all the file loads; one more and it is refused, naming the bound.
+TEST(BadInput, NestingIsBoundedWhereverAHeaderHoldsIt) {
+  TempDir dir;
+  std::string path = dir / "deep.safetensors";
+  save_file(path, {{{"aa", at::ones({2})}, {"bb", at::full({3}, 2.0)}}, {{"k", 1}}});
+  const std::string good = testing::read_bytes(path);
+  const std::string text = header_text(good);
+  auto nested = [](int depth) { return std::string(depth, '[') + std::string(depth, ']'); };
+  struct Place {
+    std::string where;     // inserted after the first occurrence of this
+    std::string member;    // the member's name as it reads in the header text
+    int levels_above;      // arrays and objects around the inserted value
+    std::string refusal;   // what the error says past the bound
+  };
+  const std::vector<Place> places = {
+      {"\"aa\":{", "\"x\":", 2, "header JSON nests deeper than 1000 levels"},
+      {"\"__metadata__\":{", "\"x\":", 2, "header JSON nests deeper than 1000 levels"},
+      {"\"{\\\"format\\\"", "", 1, "torchpoint metadata nests deeper than 1000 levels"},
+      {"\\\"state\\\":{", "\\\"deep\\\":", 2,
+       "torchpoint metadata nests deeper than 1000 levels"},
+  };
+  for (const Place& place : places) {
+    for (int extra : {0, 1}) {
+      SCOPED_TRACE(place.where + (extra ? " past the bound" : " at the bound"));
+      std::size_t at = text.find(place.where);
+      ASSERT_NE(at, std::string::npos) << text;
+      at += place.where.size();
+      std::string member = place.member;
+      if (member.empty()) {  // the torchpoint metadata itself: after its opening brace
+        at = text.find(',', text.find(place.where)) + 1;
+        member = "\\\"x\\\":";
+      }
+      std::string edited = text;
+      edited.insert(at, member + nested(kMaxJsonDepth - place.levels_above + extra) + ",");
+      std::string bytes = good;
+      rewrite_header(bytes, edited);
+      testing::write_bytes(path, bytes);
+      if (extra == 0) {
+        Container back = load_file(path);
+        ASSERT_EQ(back.tensors.size(), 2u);
+        EXPECT_TRUE(back.tensors[1].second.equal(at::full({3}, 2.0)));
+        EXPECT_TRUE(verify(path).ok());
+      } else {
+        expect_error([&] { load_file(path); }, ErrorCode::Corruption, {place.refusal});
+        EXPECT_FALSE(verify(path).ok());
+      }
+    }
   }
 }
 
