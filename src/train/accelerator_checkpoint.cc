@@ -1008,9 +1008,17 @@ void Accelerator::Loading::choose(const std::string& input_dir,
     if (path.empty()) throw none_valid();
     return;
   }
-  // With several processes the main process chooses, so that all load the same one.
-  path = acc.group_ ? acc.group_->decided_by_main(newest, "load_state(): choosing the checkpoint")
-                    : newest();
+  // With several processes the main process chooses, so that all load the same one, and every
+  // process's report lists what it passed over on the way.
+  if (!acc.group_) {
+    path = newest();
+    return;
+  }
+  const Json chosen = Json::parse(acc.group_->decided_by_main(
+      [&] { return Json{{"path", newest()}, {"skipped", report.skipped}}.dump(); },
+      "load_state(): choosing the checkpoint"));
+  path = chosen.at("path").get<std::string>();
+  report.skipped = chosen.at("skipped").get<std::vector<std::string>>();
 }
 
 // save_on_each_node: the newest checkpoint that every node holds committed and valid on its own
