@@ -3,7 +3,7 @@
 // prints medians and same-run ratios. It is a measurement, not a test: nothing is asserted.
 //
 //   torchpoint_bench [--reps N] [--states S1,S2,S3,J] [--dir PATH] [--hot] [--no-recycle]
-//                    [--quick] [--json]
+//                    [--rotate K] [--quick] [--json]
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <malloc.h>
@@ -76,6 +76,7 @@ struct Options {
   bool quick = false;
   bool hot = false;
   bool recycle = true;
+  int rotate = 0;  // added to the repetition number that rotates the order of the cases
   std::vector<std::string> states = {"S1", "S2", "S3", "S4", "J"};
   bool async = true;  // the A section, over the tensor states
   bool into = true;   // the L section, over the tensor states
@@ -251,7 +252,10 @@ const std::vector<std::uint8_t>& io_buffer() {
 // This VM hands pages that stay free for ~2 s back to the host, and the next write into new
 // page-cache pages then runs up to 15x slower (perf-baseline.md, "idle effect"). Writing and
 // unlinking a same-size file first gives every case the same recycled pages, the machine's
-// best case, as the baseline did.
+// best case, as the baseline did. Then every dirty page of the system is written back
+// (sync): a save's fsync otherwise waits for whatever the op before it left dirty (a buffered
+// peer's files, this file's own pages), which made one system's timings depend on which ran
+// before it.
 void recycle_pages(const std::string& dir, std::uint64_t bytes) {
   std::string path = dir + "/recycle.tmp";
   int fd = open_or_throw(path, O_WRONLY | O_CREAT | O_TRUNC);
@@ -263,6 +267,7 @@ void recycle_pages(const std::string& dir, std::uint64_t bytes) {
   }
   close_or_throw(fd, path);
   if (::unlink(path.c_str()) != 0) throw_errno("unlink " + path);
+  ::sync();
 }
 
 void drop_page_cache(const std::string& path) {
@@ -540,7 +545,7 @@ class Bench {
   void run_state(int rep, const State& s, Results& r) {
     // Rotating the order each repetition keeps any one case from always following another.
     std::array<Impl, 3> order;
-    for (int j = 0; j < 3; ++j) order[j] = static_cast<Impl>((rep + j) % 3);
+    for (int j = 0; j < 3; ++j) order[j] = static_cast<Impl>((rep + options_.rotate + j) % 3);
 
     std::array<std::array<double, 3>, 2> t{};
     for (Impl impl : order) {
@@ -783,7 +788,7 @@ AsyncCase run_async_case(const State& s, const Options& options, const std::stri
 
   for (int rep = 0; rep < options.reps; ++rep) {
     for (int k = 0; k < 4; ++k) {
-      switch ((rep + k) % 4) {
+      switch ((rep + options.rotate + k) % 4) {
         case 0: {
           c.memcpy_s.push_back(time_seconds([&] {
             std::size_t offset = 0;
@@ -927,7 +932,7 @@ IntoCase run_into_case(const State& s, const Options& options, const std::string
   };
   for (int rep = 0; rep < options.reps; ++rep) {
     for (int k = 0; k < 4; ++k) {
-      switch ((rep + k) % 4) {
+      switch ((rep + options.rotate + k) % 4) {
         case 0:
           drop_page_cache(raw);
           c.pread_s.push_back(time_seconds(pread_all));
@@ -1361,14 +1366,17 @@ void run_incremental_bench(const Options& options, const std::vector<State>& sta
 
 constexpr const char* kUsage =
     "usage: torchpoint_bench [--reps N] [--states S1,S2,S3,J] [--dir PATH] [--hot] [--no-recycle]\n"
-    "                        [--no-async] [--no-into] [--no-incremental] [--quick] [--json]\n"
+    "                        [--rotate K] [--no-async] [--no-into] [--no-incremental] [--quick]\n"
+    "                        [--json]\n"
     "  --reps N       timed repetitions per case (default 5); medians are reported\n"
     "  --states LIST  subset of S1 (256 MiB tensor), S2 (model + Adam), S3 (20k small tensors),\n"
     "                 S4 (frozen backbone + head: full and incremental saves; with S2, also S2\n"
     "                 saved sharded), J (20k and 100k JSON values in a state file and a manifest)\n"
     "  --dir PATH     scratch directory (default: a new directory under the temp dir, removed)\n"
     "  --hot          load from the page cache instead of cold (the default)\n"
-    "  --no-recycle   skip writing+unlinking a same-size file before each op (VM idle effect)\n"
+    "  --no-recycle   skip writing+unlinking a same-size file, and the sync, before each op\n"
+    "  --rotate K     start the rotating order of the cases K places on (one repetition per\n"
+    "                 process, as bench/interleaved.sh runs it, would always put torchpoint first)\n"
     "  --no-async     skip A: async saves against memcpy, O_DIRECT + fsync and the sync save\n"
     "  --no-into      skip L: loads into existing memory against pread into it\n"
     "  --no-incremental  skip S4 (incremental saves of a frozen backbone) and S2 saved sharded\n"
@@ -1409,6 +1417,10 @@ Options parse_options(int argc, char** argv) {
         }
         start = comma + 1;
       }
+    } else if (is(arg, "--rotate")) {
+      std::string v = value(i, "--rotate");
+      o.rotate = std::atoi(v.c_str());
+      if (o.rotate < 0) throw std::invalid_argument("--rotate must be 0 or more: " + v);
     } else if (arg == "--json") {
       o.json = true;
     } else if (arg == "--no-into") {

@@ -6,7 +6,9 @@
 # so that a change of the disk's speed during the run (this VM's varies 2x within a day) falls on
 # both sides alike. Both sides drop a file from the page cache the same way before each cold load
 # (fdatasync, then posix_fadvise(POSIX_FADV_DONTNEED) on every file of the checkpoint) and write
-# into recycled page-cache pages (a same-size file written and unlinked before each timed op).
+# into recycled page-cache pages (a same-size file written and unlinked, then sync, before each
+# timed op). Each side runs one repetition per round, its order of the cases rotated by the round
+# number (--rotate), so that no system is always the first of its process.
 # Prints every JSON record (with "round") to OUT.jsonl and the table of medians with min-max over
 # the rounds (bench/table.py) to OUT.md.
 #   bench/interleaved.sh [--rounds R] [--states S1,S2,S3] [--out PREFIX] [--build DIR] [--quick]
@@ -39,11 +41,11 @@ for line in sys.stdin:
 ' "$@"
 }
 cpp() {
-  "$build/bench/torchpoint_bench" --states "$1" --reps 1 --json --no-incremental \
+  "$build/bench/torchpoint_bench" --states "$1" --reps 1 --rotate "$2" --json --no-incremental \
     --dir "$scratch/cpp" "${quick[@]}" 2>>"$out.log" | tag "$2" cpp >>"$out.jsonl"
 }
 py() {
-  "$python" bench/peers.py --states "$1" --reps 1 --json --dir "$scratch/py" "${quick[@]}" \
+  "$python" bench/peers.py --states "$1" --reps 1 --rotate "$2" --json --dir "$scratch/py" "${quick[@]}" \
     2>>"$out.log" | tag "$2" python >>"$out.jsonl"
 }
 : >"$out.log"

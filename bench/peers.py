@@ -54,7 +54,9 @@ fsyncs, by adding os.fsync of the files and directories the peer itself does not
 Loads are cold by default: before each timed load every file of the checkpoint gets fdatasync +
 posix_fadvise(POSIX_FADV_DONTNEED); --hot reads the files through once instead. As in the C++
 benchmark, a same-size file is written and unlinked before every timed op so that each one writes
-into recycled page-cache pages (this VM is much slower on fresh ones; --no-recycle skips that).
+into recycled page-cache pages (this VM is much slower on fresh ones; --no-recycle skips that),
+then every dirty page of the system is written back (os.sync), so that no op's fsync waits for
+what the op before it left dirty.
 The order of the cases rotates each repetition; the first repetition checks that every load
 returned the saved tensors (else it stops with an error). peak_extra_mib is taken in a separate,
 untimed run of each op every repetition (max over repetitions), from a thread that reads
@@ -338,6 +340,7 @@ def recycle_pages(directory, nbytes):
             f.write(chunk[:n])
             nbytes -= n
     os.unlink(path)
+    os.sync()  # as bench.cc: nothing an earlier op left dirty is written back during this one
 
 
 def resident_bytes():
@@ -532,7 +535,7 @@ class Bench:
 
     def run_state(self, rep, s):
         line = []
-        for peer in rotated(PEERS, rep):
+        for peer in rotated(PEERS, rep + self.options.rotate):
             path, handle = self.path(s, peer), self.handle(s, peer)
             self.prepare_save(s, path)
             start = time.perf_counter()
@@ -543,7 +546,7 @@ class Bench:
                 self.stall.setdefault((s.name, "save", peer.name), []).append(returned - start)
             line.append(f"save {peer.name} {end - start:.3f}")
         loads = [(peer, op) for peer in PEERS for op in peer.loads]
-        for peer, op in rotated(loads, rep):
+        for peer, op in rotated(loads, rep + self.options.rotate):
             path, handle = self.path(s, peer), self.handle(s, peer)
             if op == "load_into":
                 clear_target(s)
@@ -645,6 +648,8 @@ def parse_args(argv):
                    help="read the files through before each load instead of dropping them")
     p.add_argument("--no-recycle", dest="recycle", action="store_false",
                    help="skip writing+unlinking a same-size file before each op (VM idle effect)")
+    p.add_argument("--rotate", type=int, default=0,
+                   help="start the rotating order of the cases this many places on (as bench.cc)")
     p.add_argument("--quick", action="store_true",
                    help="small states for a smoke run (S1 16 MiB, S2 2 blocks, S3 2000 tensors)")
     p.add_argument("--json", action="store_true",
