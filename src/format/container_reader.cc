@@ -519,9 +519,6 @@ ContainerHeader parse_container_header(std::string_view prefix, std::uint64_t fi
   }
   if (!header_ok && !problems.collecting()) return header;
 
-  // The fast reader takes nothing nested deeper than three levels; the full one parses
-  // recursively, so the bound on nesting is checked before it (a pass over megabytes of
-  // header that a load of 20,000 tensors paid even when the fast reader took it).
   FastHeader fast;
   const bool took_fast = fast_header(text, path, &fast);
   bool has_metadata = false;
@@ -531,6 +528,9 @@ ContainerHeader parse_container_header(std::string_view prefix, std::uint64_t fi
     has_metadata = fast.has_metadata;
     torchpoint_text = std::move(fast.torchpoint_text);
   } else {
+    // The fast reader takes nothing nested deeper than three levels; this one parses
+    // recursively, so the bound on nesting is checked here, not before the fast reader (a pass
+    // over megabytes of header that a load of 20,000 tensors paid for nothing).
     if (!json_depth_within(text)) {
       problems.add(
           fmt::format("{}: header JSON nests deeper than {} levels", path, kMaxJsonDepth));

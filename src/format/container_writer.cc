@@ -526,7 +526,6 @@ const std::uint8_t* staged_image(const std::vector<PlannedTensor>& planned, std:
 std::uint64_t write_image(File& file, std::vector<PlannedTensor>& planned,
                           const std::uint8_t* image, PendingHeader& header,
                           std::uint64_t data_size, const detail::StagingGate& gate) {
-  const std::uint64_t data_start = header.data_start();
   ChunkPipeline pipeline(file, /*threaded=*/data_size > kChunkSize, /*own_buffers=*/false);
   // First every chunk to the disk, each as soon as the snapshot has copied it; then the
   // checksums, while the writes run: hashing during the copy would compete with it for memory
@@ -534,6 +533,8 @@ std::uint64_t write_image(File& file, std::vector<PlannedTensor>& planned,
   for (std::uint64_t at = 0; at < data_size; at += kChunkSize) {
     std::uint64_t size = std::min<std::uint64_t>(kChunkSize, data_size - at);
     gate.wait_for(image + at, static_cast<std::size_t>(size));
+    // Asked for once the first chunk is copied: the header builds while the snapshot copies.
+    const std::uint64_t data_start = header.data_start();
     // O_DIRECT writes the last block whole; the bytes past the data are cut by the caller.
     if (file.direct()) size = round_up(size, kDirectAlign);
     pipeline.submit_borrowed(image + at, static_cast<std::size_t>(size), data_start + at);
