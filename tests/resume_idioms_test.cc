@@ -1,8 +1,10 @@
 // The four resume idioms of Accelerate's users (issue 37), each killed with SIGKILL right after
 // every save of a three-epoch run in turn — saves in an epoch's first, middle and last batch,
-// after its loop ended and after its scheduler stepped — with and without gradient
-// accumulation, on one process and on two under torchrun. Every resumed run must train every
-// step once, with the uninterrupted run's loss bits, and end in its exact state:
+// after its loop ended and after its scheduler stepped — on one process with and without
+// gradient accumulation, and on two under torchrun with accumulation over 2 batches (where the
+// epoch's partial last update must sync on both processes; every torchrun restart costs
+// seconds of CPU, so the plain case runs on one process only). Every resumed run must train
+// every step once, with the uninterrupted run's loss bits, and end in its exact state:
 //   registered  the guide: the position (epoch, batches done) in a registered object,
 //               skip_first_batches(loader, batches_done) in the saved epoch;
 //   step        Accelerate's checkpointing.py: starting_epoch = step / len(loader),
@@ -97,6 +99,7 @@ void expect_same_run(const IdiomRun& killed, const IdiomRun& whole) {
 
 void expect_exact_resumes(const std::string& idiom, int processes) {
   for (int accumulation : {1, 2}) {
+    if (processes > 1 && accumulation == 1) continue;
     SCOPED_TRACE(fmt::format("{} on {} process(es), gradient accumulation {}", idiom, processes,
                              accumulation));
     tt::TempDir dir;
