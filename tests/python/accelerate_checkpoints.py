@@ -9,9 +9,10 @@ side of its export checks.
       with a GradScaler's scaler.pt; hostile ones: a missing optimizer.bin, a pickle with a
       global torchpoint must not read, a CUDA RNG state, a damaged record, an unclaimed extra
       file.
-  accelerate_checkpoints.py check NAME DIR REFERENCE
-      accelerator.load_state(DIR) into fresh objects of CONFIGS[NAME]; exits 1 naming every value
-      that differs from REFERENCE (written by the C++ test in the same layout).
+  accelerate_checkpoints.py check NAME DIR REFERENCE [NAME DIR REFERENCE ...]
+      accelerator.load_state(DIR) into fresh objects of CONFIGS[NAME], for each triple; exits 1
+      naming every value that differs from its REFERENCE (written by the C++ test in the same
+      layout).
   accelerate_checkpoints.py check_scaler DIR SCALE TRACKER
       torch.amp.GradScaler("cpu") loads DIR/scaler.pt (weights_only=True) with that state.
 """
@@ -146,6 +147,7 @@ def write(out_dir):
 
 
 def check(name, directory, reference_path):
+    """Problems found loading one checkpoint (none: prints how many values matched)."""
     accelerator, m, opt, scheduler = make(name)
     accelerator.load_state(directory)
     got = reference(m, opt, scheduler)
@@ -153,13 +155,13 @@ def check(name, directory, reference_path):
     problems = []
     for key in sorted(set(got) | set(want)):
         if key not in got or key not in want:
-            problems.append("%s: only in %s" % (key, "C++" if key in want else "Python"))
+            problems.append("%s %s: only in %s" % (name, key, "C++" if key in want else "Python"))
         elif got[key].dtype != want[key].dtype or not torch.equal(got[key], want[key]):
-            problems.append("%s: Python %s, C++ %s" % (key, got[key].tolist(), want[key].tolist()))
-    if problems:
-        print("\n".join(problems))
-        sys.exit(1)
-    print("%s: %d values identical" % (name, len(got)))
+            problems.append("%s %s: Python %s, C++ %s"
+                            % (name, key, got[key].tolist(), want[key].tolist()))
+    if not problems:
+        print("%s: %d values identical" % (name, len(got)))
+    return problems
 
 
 def check_scaler(directory, scale, tracker):
@@ -174,7 +176,17 @@ def check_scaler(directory, scale, tracker):
 if sys.argv[1] == "write":
     write(sys.argv[2])
 elif sys.argv[1] == "check":
-    check(sys.argv[2], sys.argv[3], sys.argv[4])
+    # One or more NAME DIRECTORY REFERENCE triples, in one interpreter: importing torch and
+    # accelerate costs seconds of CPU each time.
+    triples = sys.argv[2:]
+    if not triples or len(triples) % 3:
+        sys.exit(__doc__)
+    problems = []
+    for at in range(0, len(triples), 3):
+        problems += check(*triples[at:at + 3])
+    if problems:
+        print("\n".join(problems))
+        sys.exit(1)
 elif sys.argv[1] == "check_scaler":
     check_scaler(sys.argv[2], sys.argv[3], sys.argv[4])
 else:
