@@ -11,8 +11,11 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <limits>
+#include <map>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -171,14 +174,19 @@ std::string reference_script() {
   return here.substr(0, here.rfind('/')) + "/python/lr_reference.py";
 }
 
-// Runs PyTorch's scheduler for `c`; on failure returns nullopt and says why in `error`.
-std::optional<std::vector<Sample>> pytorch_reference(const Case& c, std::string& error) {
+tp::Json spec_of(const Case& c) {
   tp::Json spec = {{"optimizer", c.optimizer},
                    {"lrs", c.lrs},
                    {"scheduler", c.scheduler},
                    {"kwargs", c.kwargs},
                    {"steps", c.steps}};
   if (!c.metrics.empty()) spec["metrics"] = c.metrics;
+  return spec;
+}
+
+// Runs lr_reference.py on `spec` (one, or an array of them); its output, or nullopt with the
+// reason in `error`.
+std::optional<std::string> run_reference(const tp::Json& spec, std::string& error) {
   // JSON numbers print exactly, and the JSON text holds no single quote.
   std::string command =
       fmt::format("{} '{}' '{}' 2>&1", tp::testing::python(), reference_script(), spec.dump());
@@ -203,12 +211,18 @@ std::optional<std::vector<Sample>> pytorch_reference(const Case& c, std::string&
     error = fmt::format("{} failed with status {}:\n{}", command, rc, output);
     return std::nullopt;
   }
-  std::vector<Sample> samples;
+  return output;
+}
+
+// The samples in the script's output, by the "case" each line names ("" for a single spec).
+std::optional<std::map<std::string, std::vector<Sample>>> parse_reference(
+    const std::string& output, std::string& error) {
+  std::map<std::string, std::vector<Sample>> samples;
   std::istringstream lines(output);
   for (std::string line; std::getline(lines, line);) {
     tp::Json j = tp::Json::parse(line, nullptr, /*allow_exceptions=*/false);
     if (j.is_discarded() || !j.contains("lr")) {
-      error = "unexpected output of " + command + ":\n" + output;
+      error = "unexpected output of lr_reference.py:\n" + output;
       return std::nullopt;
     }
     Sample s;
@@ -219,9 +233,38 @@ std::optional<std::vector<Sample>> pytorch_reference(const Case& c, std::string&
         s.momentum.push_back(std::strtod(v.get<std::string>().c_str(), nullptr));
       }
     }
-    samples.push_back(std::move(s));
+    samples[j.value("case", std::string())].push_back(std::move(s));
   }
   return samples;
+}
+
+// Where the CTest fixture `scheduler_references` leaves every case's reference: next to this
+// test's executable. It writes the case's spec with its lines, so a file from other cases is
+// never taken.
+std::string references_path() {
+  const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
+  return self.substr(0, self.rfind('/')) + "/lr_references.json";
+}
+
+// PyTorch's learning rates for `c`: from the fixture's file when it holds this very spec (CTest
+// runs each case in a process of its own, and each Python process spends seconds importing
+// torch), else from a Python run of its own. On failure returns nullopt and says why in `error`.
+std::optional<std::vector<Sample>> pytorch_reference(const Case& c, std::string& error) {
+  const tp::Json spec = spec_of(c);
+  std::ifstream file(references_path());
+  if (file) {
+    tp::Json all = tp::Json::parse(file, nullptr, /*allow_exceptions=*/false);
+    if (all.is_object() && all.contains(c.name) && all[c.name].value("spec", tp::Json()) == spec) {
+      auto samples = parse_reference(all[c.name].value("output", std::string()), error);
+      if (!samples) return std::nullopt;
+      return (*samples)[c.name];
+    }
+  }
+  std::optional<std::string> output = run_reference(spec, error);
+  if (!output) return std::nullopt;
+  auto samples = parse_reference(*output, error);
+  if (!samples) return std::nullopt;
+  return (*samples)[""];
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -484,6 +527,41 @@ INSTANTIATE_TEST_SUITE_P(All, SchedulerCase, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case>& info) {
                            return info.param.name;
                          });
+
+// The CTest fixture `scheduler_references` (disabled in the suite itself): PyTorch's learning
+// rates for every case from one Python process, written next to this executable for the
+// MatchesPyTorch cases, which CTest runs one process each. One run instead of one per case
+// saves about 3 s of CPU a case (importing torch).
+TEST(References, DISABLED_WriteAll) {
+  const std::string path = references_path();
+  std::filesystem::remove(path);
+  tp::Json specs = tp::Json::array();
+  for (const Case& c : cases()) {
+    specs.push_back(spec_of(c));
+    specs.back()["case"] = c.name;
+  }
+  std::string error;
+  std::optional<std::string> output = run_reference(specs, error);
+  ASSERT_TRUE(output.has_value()) << error;
+  std::map<std::string, std::string> lines_of;
+  std::istringstream lines(*output);
+  for (std::string line; std::getline(lines, line);) {
+    tp::Json j = tp::Json::parse(line, nullptr, /*allow_exceptions=*/false);
+    ASSERT_TRUE(!j.is_discarded() && j.contains("case")) << "unexpected line: " << line;
+    lines_of[j["case"].get<std::string>()] += line + "\n";
+  }
+  tp::Json all = tp::Json::object();
+  for (const Case& c : cases()) {
+    ASSERT_TRUE(lines_of.count(c.name)) << "no reference for " << c.name << ":\n" << *output;
+    auto samples = parse_reference(lines_of[c.name], error);
+    ASSERT_TRUE(samples.has_value()) << error;
+    EXPECT_EQ((*samples)[c.name].size(), static_cast<std::size_t>(c.steps) + 1) << c.name;
+    all[c.name] = {{"spec", spec_of(c)}, {"output", lines_of[c.name]}};
+  }
+  const std::string temporary = path + ".tmp";
+  std::ofstream(temporary) << all.dump();
+  std::filesystem::rename(temporary, path);
+}
 
 // ---------------------------------------------------------------------------------------------
 // (3) Errors.

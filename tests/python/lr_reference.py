@@ -1,7 +1,8 @@
 """Prints the learning rates PyTorch's own LR schedulers compute, as the reference that
 tests/scheduler_test.cc compares torchpoint's schedulers with, bit for bit.
 
-Usage: lr_reference.py SPEC, where SPEC is JSON:
+Usage: lr_reference.py SPEC, where SPEC is JSON (or a JSON array of them, each with a "case"
+name that every line it prints then carries: one Python process for every case):
   {"optimizer": "SGD" | "Adam" | "AdamW" | "RMSprop" | "Adagrad",
    "lrs": [lr of group 0, lr of group 1],     one or two param groups
    "scheduler": a class name in torch.optim.lr_scheduler,
@@ -42,8 +43,7 @@ def momentum(group):
     return group.get("momentum")
 
 
-def main():
-    spec = json.loads(sys.argv[1])
+def run(spec):
     model = torch.nn.Linear(3, 2)
     lrs = spec["lrs"]
     if len(lrs) == 1:
@@ -56,6 +56,8 @@ def main():
 
     def show():
         line = {"lr": [float(g["lr"]).hex() for g in optimizer.param_groups]}
+        if "case" in spec:
+            line["case"] = spec["case"]
         m = [momentum(g) for g in optimizer.param_groups]
         if all(v is not None for v in m):
             line["momentum"] = [float(v).hex() for v in m]
@@ -69,6 +71,12 @@ def main():
         else:
             scheduler.step(metrics[i])
         show()
+
+
+def main():
+    spec = json.loads(sys.argv[1])
+    for one in spec if isinstance(spec, list) else [spec]:
+        run(one)
 
 
 main()
