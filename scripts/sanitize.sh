@@ -73,11 +73,13 @@ run_all() {
 # transient and one persistent errno cover the same code. A sanitized child takes over a
 # second to start, so the crash test kills 20 children instead of 100. Flipping each header
 # byte in turn (117 s sanitized) is left to the normal suite: the container fuzzer below runs
-# the same parser on more inputs under the sanitizers.
+# the same parser on more inputs under the sanitizers. fault_test, the longest, runs in two
+# halves at once.
 start=$SECONDS
 run_all \
   "storage_test|build-san/tests/storage_test --gtest_filter=-Container.EveryHeaderByteFlipIsDetected" \
-  "fault_test|build-san/tests/fault_test --gtest_filter=-*errno28*:*errno122*:*errno27*" \
+  "fault_test|build-san/tests/fault_test --gtest_filter=-*errno28*:*errno122*:*errno27*:PowerCuts.*:Incremental.*" \
+  "fault_test_power_cuts|build-san/tests/fault_test --gtest_filter=PowerCuts.*:Incremental.*" \
   "crash_test|TORCHPOINT_CRASH_KILLS=20 build-san/tests/crash_test"
 run_all \
   "state_test|build-san/tests/state_test && build-san/tests/interop_test && build-san/tests/retention_test" \
