@@ -5,11 +5,18 @@
 # state, Accelerator and Learner tests, the find_package consumer) and runs that code
 # sanitized. Then it replays the committed fuzz inputs (tests/data/fuzz/<target>/) and fuzzes
 # each parser for FUZZ_SECONDS (default 30) seconds. Any sanitizer report, crash, leak or
-# failed test fails the script. Safe to run again.
-# Usage: scripts/sanitize.sh          FUZZ_SECONDS=600 scripts/sanitize.sh
+# failed test fails the script. Safe to run again. With --build-only it stops once built (CI
+# builds it in the background while the test suite runs).
+# Usage: scripts/sanitize.sh [--build-only]          FUZZ_SECONDS=600 scripts/sanitize.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 fuzz_seconds=${FUZZ_SECONDS:-30}
+build_only=false
+case ${1:-} in
+  "") ;;
+  --build-only) build_only=true ;;
+  *) echo "usage: scripts/sanitize.sh [--build-only]" >&2; exit 2 ;;
+esac
 
 # clang 14 is Debian 12's; libFuzzer and the sanitizer runtimes come in libclang-rt-14-dev and
 # llvm-symbolizer (readable reports) in llvm-14.
@@ -39,6 +46,9 @@ tests=(storage_test fault_test crash_test state_test interop_test retention_test
   learner_test)
 fuzzers=(container_fuzz manifest_fuzz filename_fuzz torch_zip_fuzz)
 /usr/bin/cmake --build build-san --target "${tests[@]}" "${fuzzers[@]}" torchpoint_cli dist_child
+if $build_only; then
+  exit 0
+fi
 
 # LibTorch is not instrumented: the only leak reported inside it is suppressed (see the file).
 export ASAN_OPTIONS=strict_string_checks=1:check_initialization_order=1

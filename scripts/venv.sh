@@ -7,6 +7,10 @@ cd "$(dirname "$0")/.."
 venv=.venv
 requirements=python/requirements.txt
 stamp=$venv/.requirements
+# One maker at a time (CI's two legs may ask at once): a second caller waits, then finds the
+# venv made.
+exec 9>"$venv.lock"
+flock 9
 if [[ -x $venv/bin/python ]] && cmp -s "$requirements" "$stamp"; then
   echo "$PWD/$venv/bin/python"
   exit 0
