@@ -3,7 +3,10 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstring>
+#include <fstream>
+#include <thread>
 
 #include "format/container.h"
 #include "format/fresh_read.h"
@@ -163,6 +166,44 @@ TEST(LoadInto, AdoptsTheVerifiedMemoryOnlyWhereTheStorageIsTheTensorsOwn) {
   into.clear();
   row = at::Tensor();
   EXPECT_TRUE(bitwise_equal(own, kept));
+}
+
+// Whether some mapping of this process holds `address` (/proc/self/maps).
+bool mapped(const void* address) {
+  std::ifstream maps("/proc/self/maps");
+  const auto a = reinterpret_cast<std::uintptr_t>(address);
+  std::uintptr_t begin = 0, end = 0;
+  char dash = 0;
+  std::string rest;
+  while (maps >> std::hex >> begin >> dash >> end && std::getline(maps, rest)) {
+    if (a >= begin && a < end) return true;
+  }
+  return false;
+}
+
+// A load that replaces much memory (here 24 MiB, the first load's own mapping) gives it back
+// on a thread of its own after returning: the mapping goes soon after, the values stay.
+TEST(LoadInto, TheMemoryALargeLoadReplacedIsGivenBack) {
+  TempDir dir;
+  const std::string path = dir / "m.safetensors";
+  at::Tensor w = make_tensor(at::kFloat, {6, 1024, 1024}, 1);  // 24 MiB
+  save_file(path, {{{"w", w}}});
+  at::Tensor own = at::zeros_like(w);
+  NamedTensors into = {{"w", own}};
+  load_file_into(path, into);
+  const void* first = own.data_ptr();  // inside the first load's mapping, which it holds alone
+  ASSERT_TRUE(mapped(first));
+  save_file(path, {{{"w", w.neg()}}});
+  load_file_into(path, into);
+  ASSERT_NE(own.data_ptr(), first);
+  EXPECT_TRUE(bitwise_equal(own, w.neg()));
+  bool gone = false;
+  for (int i = 0; i < 1000 && !gone; ++i) {  // up to 10 s
+    gone = !mapped(first);
+    if (!gone) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(gone) << "the first load's memory was never given back";
+  EXPECT_TRUE(bitwise_equal(own, w.neg()));
 }
 
 // load_file() reads the file once; its large tensors keep pieces of that one allocation, yet

@@ -21,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <system_error>
 #include <thread>
 #include <string_view>
 #include <unordered_map>
@@ -36,6 +37,9 @@ constexpr std::size_t kChunk = std::size_t{1} << 20;
 constexpr std::size_t kChunks = 4;
 // Below this, one thread does each pass: a thread costs more than it saves.
 constexpr std::uint64_t kThreadedFrom = 8 << 20;
+
+// From this much of it, the tensors' old memory is given back on a thread of its own.
+constexpr std::uint64_t kReleaseAsideFrom = std::uint64_t{16} << 20;
 
 std::uint64_t data_size(const ContainerHeader& header) {
   return header.entries.empty() ? 0 : header.entries.back().end;
@@ -58,6 +62,24 @@ bool can_adopt(const at::Tensor& t, std::uint64_t size, const char* bytes,
   const c10::DataPtr& data = storage.data_ptr();
   return data.get_deleter() == c10::GetCPUAllocator()->raw_deleter() ||
          FreshData::adopted(data);
+}
+
+// Frees the tensors' old memory, which no tensor holds any more. Giving much of it back to the
+// system is slow (unmapping S1's 256 MiB of 4 KiB pages took 34 ms on the development machine,
+// a quarter of the whole load), and nothing the caller does next waits for it, so from
+// kReleaseAsideFrom bytes a detached thread does it while the caller goes on. Its deleters are
+// LibTorch's CPU allocator's and FreshData's (can_adopt takes no other), which free from any
+// thread. If no thread can be had, the memory is freed here.
+void release(std::vector<c10::DataPtr> old, std::uint64_t bytes) {
+  if (bytes >= kReleaseAsideFrom) {
+    try {
+      std::thread([old = std::move(old)]() mutable { old.clear(); }).detach();
+    } catch (const std::system_error&) {
+      // The lambda, and the memory it took, went as the exception left the constructor.
+    }
+    return;
+  }
+  old.clear();
 }
 
 std::string shape_text(c10::IntArrayRef sizes) {
@@ -423,6 +445,7 @@ void FileFill::copy_fresh() {
   const ContainerHeader& header = m.header;
   std::vector<c10::DataPtr> replaced;  // the tensors' old memory, freed once all moved
   replaced.reserve(header.entries.size());
+  std::uint64_t replaced_bytes = 0;
   std::vector<std::pair<at::Tensor*, at::Tensor>> staged;
   for (std::size_t k = 0; k < header.entries.size(); ++k) {
     const TensorEntry& e = header.entries[k];
@@ -433,6 +456,7 @@ void FileFill::copy_fresh() {
       // The storage itself takes the verified memory: every view of it, and every optimizer
       // holding the tensor, sees the new values, as after an in-place copy.
       replaced.push_back(t.storage().unsafeGetStorageImpl()->set_data_ptr(m.fresh->adopt(e)));
+      replaced_bytes += size;
     } else if (t.device().is_cpu() && t.is_contiguous() && !t.is_conj() && !t.is_neg()) {
       if (size > 0) std::memcpy(t.data_ptr(), bytes, size);
     } else {
@@ -448,7 +472,7 @@ void FileFill::copy_fresh() {
     at::NoGradGuard no_grad;
     for (auto& [target, view] : staged) target->copy_(view);
   }
-  replaced.clear();
+  release(std::move(replaced), replaced_bytes);
   m.fresh.reset();  // gives back the memory of what was copied rather than adopted
 }
 
