@@ -2,7 +2,7 @@
 # Installs whichever of the given Debian packages are missing, with apt-get (as root, or
 # through sudo). Options starting with "-" before the packages go to `apt-get install`.
 # Usage: scripts/ensure_packages.sh LABEL [APT_OPTION...] PACKAGE...
-# Two of these may run at once (CI installs the sanitizer leg's packages while the tests build):
+# Two of these may run at once (scripts/test.sh and scripts/sanitize.sh started together):
 # a lock makes the second wait for the first, then look again at what is missing, instead of
 # failing on dpkg's own lock.
 set -euo pipefail

@@ -7,8 +7,8 @@ cd "$(dirname "$0")/.."
 venv=.venv
 requirements=python/requirements.txt
 stamp=$venv/.requirements
-# One maker at a time (CI's two legs may ask at once): a second caller waits, then finds the
-# venv made.
+# One maker at a time (scripts/test.sh and sanitize.sh may ask at once): a second caller
+# waits, then finds the venv made.
 exec 9>"$venv.lock"
 flock 9
 if [[ -x $venv/bin/python ]] && cmp -s "$requirements" "$stamp"; then
