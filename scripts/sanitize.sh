@@ -35,6 +35,7 @@ python=$(scripts/venv.sh)
 if [[ ! -f build-san/build.ninja ]]; then
   /usr/bin/cmake -S . -B build-san -G Ninja -DCMAKE_CXX_COMPILER=clang++ \
     -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -gline-tables-only" \
+    "-DCMAKE_UNITY_BUILD=${TORCHPOINT_UNITY_BUILD:-ON}" \
     -DTorch_DIR=/usr/lib/x86_64-linux-gnu/cmake/Torch "-DTORCHPOINT_PYTHON=$python" \
     -DTORCHPOINT_SANITIZE=ON -DTORCHPOINT_BUILD_FUZZ=ON \
     -DTORCHPOINT_BUILD_BENCH=OFF -DTORCHPOINT_BUILD_EXAMPLES=OFF

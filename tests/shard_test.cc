@@ -338,7 +338,7 @@ TEST(Incremental, EveryCallOfALinkingSaveFailsInTurn) {
 }
 
 // Thrown by the hook to stop a save dead at a chosen call, as a power cut would.
-struct PowerCut {};
+struct LinkingPowerCut {};
 
 TEST(Incremental, PowerCutsDuringALinkingSaveKeepOnlyCommittedCheckpoints) {
   std::uint64_t cuts = 0;
@@ -356,12 +356,12 @@ TEST(Incremental, PowerCutsDuringALinkingSaveKeepOnlyCommittedCheckpoints) {
       env.set_before_op([&](Op, const std::string&) {
         if (++seen >= k) {
           cut = true;
-          throw PowerCut{};
+          throw LinkingPowerCut{};
         }
       });
       try {
         save_directory(second, state(1), {}, env, options(first));
-      } catch (const PowerCut&) {
+      } catch (const LinkingPowerCut&) {
       }
       env.set_before_op(nullptr);
       env.simulate_power_cut(mode, k);

@@ -35,13 +35,6 @@ namespace {
 
 using ojson = nlohmann::ordered_json;
 
-// The string at `key`, or "" when it is missing or not a string (json::value() would throw a
-// nlohmann exception for a hostile non-string, which no caller expects).
-std::string string_field(const ojson& object, const char* key) {
-  auto it = object.find(key);
-  return it != object.end() && it->is_string() ? it->get<std::string>() : std::string();
-}
-
 // numel * element size, or nullopt on overflow or a negative dimension.
 std::optional<std::uint64_t> byte_size(const std::vector<std::int64_t>& shape,
                                        std::size_t element_size) {

@@ -206,11 +206,11 @@ struct FileTask {
 // How the files of a save are made when something is sharded. Comparing a shard with the link
 // source is reading memory (XXH3 of its tensors): kComparers threads, one a core of this kind
 // of machine. Writing is mostly waiting for the disk (each write already overlaps its own
-// copy-and-hash with its writes on a second thread): kWriters threads keep two files in flight,
+// copy-and-hash with its writes on a second thread): kFileWriters threads keep two files in flight,
 // and more would only compete for the same disk queue. The two run at once, so an incremental
 // save writes what changed while it proves the rest unchanged.
 constexpr std::size_t kComparers = 2;
-constexpr std::size_t kWriters = 2;
+constexpr std::size_t kFileWriters = 2;
 
 // Writes `task`'s file as a container.
 void write_file(Env& env, const std::string& dir, FileTask& task) {
@@ -312,7 +312,7 @@ void run_tasks(Env& env, const std::string& dir, std::vector<FileTask>& tasks,
   };
   std::vector<std::thread> threads;
   const std::size_t comparers = std::min(kComparers, to_compare.size());
-  const std::size_t writers = std::min(kWriters, tasks.size());
+  const std::size_t writers = std::min(kFileWriters, tasks.size());
   try {
     for (std::size_t i = 0; i < comparers; ++i) threads.emplace_back(gated(comparer));
     for (std::size_t i = 1; i < writers; ++i) threads.emplace_back(gated(writer));

@@ -42,11 +42,11 @@ constexpr double kCachedShare = 0.5;
 thread_local bool shared_reads = false;
 
 std::uint64_t round_down(std::uint64_t v, std::uint64_t a) { return v / a * a; }
-std::uint64_t round_up(std::uint64_t v, std::uint64_t a) { return (v + a - 1) / a * a; }
+std::uint64_t align_up(std::uint64_t v, std::uint64_t a) { return (v + a - 1) / a * a; }
 
 // Gives the whole pages inside [begin, end) back to the system.
 void release_pages(char* begin, char* end) {
-  const auto b = round_up(reinterpret_cast<std::uintptr_t>(begin), kPage);
+  const auto b = align_up(reinterpret_cast<std::uintptr_t>(begin), kPage);
   const auto e = round_down(reinterpret_cast<std::uintptr_t>(end), kPage);
   if (e > b) ::madvise(reinterpret_cast<void*>(b), e - b, MADV_DONTNEED);
 }
@@ -239,7 +239,7 @@ FreshData FreshData::read(Env& env, const std::string& path, File& file,
   auto* block = new Block;
   out.block_ = block;
   block->first = round_down(header.data_start, kPage);
-  block->length = round_up(data_end, kPage) - block->first;
+  block->length = align_up(data_end, kPage) - block->first;
   const bool huge = block->length >= kHugePageSize;
   // Room to place the data on a 2 MiB boundary, for huge pages and O_DIRECT alike.
   block->map_size = std::max<std::uint64_t>(block->length + (huge ? kHugePageSize : 0), kPage);
@@ -257,7 +257,7 @@ FreshData FreshData::read(Env& env, const std::string& path, File& file,
   block->base = static_cast<char*>(map);
   if (huge) {
     block->base = reinterpret_cast<char*>(
-        round_up(reinterpret_cast<std::uintptr_t>(map), kHugePageSize));
+        align_up(reinterpret_cast<std::uintptr_t>(map), kHugePageSize));
     advise_huge_pages(block->base, block->length);
   }
 

@@ -24,13 +24,6 @@ namespace {
 
 using ojson = nlohmann::ordered_json;
 
-// The string at `key`, or "" when it is missing or not a string (json::value() would throw a
-// nlohmann exception for a hostile non-string, which no caller expects).
-std::string string_field(const ojson& object, const char* key) {
-  auto it = object.find(key);
-  return it != object.end() && it->is_string() ? it->get<std::string>() : std::string();
-}
-
 // The JSON integer at `key`. nlohmann's get<std::int64_t>() would also take a float, with
 // undefined behaviour when it does not fit; here anything but a fitting integer throws.
 std::int64_t int64_at(const ojson& object, const char* key) {

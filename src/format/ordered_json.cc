@@ -127,4 +127,9 @@ void append_new_key(Json& object, std::string key, Json value) {
   object.get_ref<Json::object_t&>().emplace_back(std::move(key), std::move(value));
 }
 
+std::string string_field(const Json& object, const char* key) {
+  auto it = object.find(key);
+  return it != object.end() && it->is_string() ? it->get<std::string>() : std::string();
+}
+
 }  // namespace torchpoint

@@ -21,4 +21,8 @@ Json parse_ordered_json(std::string_view text);
 // is not there yet (ordered_json's operator[] would search every earlier key).
 void append_new_key(Json& object, std::string key, Json value);
 
+// The string at `key`, or "" when it is missing or not a string (json::value() would throw a
+// nlohmann exception for a hostile non-string, which no caller expects).
+std::string string_field(const Json& object, const char* key);
+
 }  // namespace torchpoint

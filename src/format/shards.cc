@@ -15,7 +15,7 @@
 namespace torchpoint {
 namespace {
 
-std::uint64_t tensor_bytes(const at::Tensor& t) {
+std::uint64_t payload_bytes(const at::Tensor& t) {
   return static_cast<std::uint64_t>(t.numel()) * static_cast<std::uint64_t>(t.element_size());
 }
 
@@ -25,7 +25,7 @@ void pack(const Component& component, const std::vector<std::size_t>& indexes,
   std::vector<std::size_t> current;
   std::uint64_t current_bytes = 0;
   for (std::size_t i : indexes) {
-    std::uint64_t bytes = tensor_bytes(component.contents.tensors[i].second);
+    std::uint64_t bytes = payload_bytes(component.contents.tensors[i].second);
     if (!current.empty() && current_bytes + bytes > limit) {
       out.push_back(std::move(current));
       current.clear();
@@ -39,7 +39,7 @@ void pack(const Component& component, const std::vector<std::size_t>& indexes,
 
 std::uint64_t tensor_checksum(const at::Tensor& tensor) {
   at::Tensor t = tensor.device().is_cpu() ? tensor.contiguous() : tensor.cpu().contiguous();
-  std::uint64_t bytes = tensor_bytes(t);
+  std::uint64_t bytes = payload_bytes(t);
   // In a background save the bytes may still be on their way into the staging buffer.
   if (const detail::StagingGate* gate = detail::current_staging_gate; gate && bytes > 0) {
     gate->wait_for(t.data_ptr(), static_cast<std::size_t>(bytes));
@@ -59,7 +59,7 @@ std::vector<std::vector<std::size_t>> plan_shards(const Component& component,
   std::vector<std::vector<std::size_t>> out;
   const NamedTensors& tensors = component.contents.tensors;
   std::uint64_t total = 0;
-  for (const auto& [name, tensor] : tensors) total += tensor_bytes(tensor);
+  for (const auto& [name, tensor] : tensors) total += payload_bytes(tensor);
   if (shard_size == 0 || total <= shard_size) return out;
   std::vector<std::size_t> fixed, changing;
   for (std::size_t i = 0; i < tensors.size(); ++i) {

@@ -42,11 +42,6 @@ std::optional<std::int64_t> integer_value(const StateDict& state, const std::str
   return v.get<std::int64_t>();
 }
 
-std::string string_field(const Json& object, const char* key) {
-  auto it = object.find(key);
-  return it != object.end() && it->is_string() ? it->get<std::string>() : std::string();
-}
-
 bool holds_checkpoints(Env& env, const std::string& dir) {
   if (env.stat(join_path(dir, "checkpoints")).is_directory) return true;
   try {

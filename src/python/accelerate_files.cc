@@ -28,6 +28,10 @@
 namespace torchpoint {
 namespace detail {
 
+[[noreturn]] void incompatible(const std::string& where, const std::string& what) {
+  throw Error(ErrorCode::Incompatible, fmt::format("{}: {}", where, what));
+}
+
 Json to_json(const PyValue& v, const std::string& where) {
   switch (v.kind) {
     case Kind::kNone:
@@ -87,9 +91,6 @@ std::vector<std::string> accelerate_files_of(const std::string& name, const std:
 }
 
 
-[[noreturn]] void incompatible(const std::string& where, const std::string& what) {
-  throw Error(ErrorCode::Incompatible, fmt::format("{}: {}", where, what));
-}
 
 // Throws Incompatible unless `saved` is a dict: `what`'s state_dict().
 void require_dict(const PyValue& saved, const std::string& where, const char* what) {

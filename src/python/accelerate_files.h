@@ -31,6 +31,8 @@ constexpr const char* kCustomPrefix = "custom_checkpoint_";
 // "model" for "model" and "model_1", ..., "custom" for "custom_checkpoint_<i>", "random_states"
 // for "random_states_<rank>", "data loader" for "dl_state_dict"; "" for any other name.
 std::string component_kind(std::string_view stem);
+// Throws Incompatible: "<where>: <what>".
+[[noreturn]] void incompatible(const std::string& where, const std::string& what);
 // The optimizer type a Python param group's options belong to (torch 2.x's names).
 std::string python_optimizer_type(const PyValue& group);
 // A scheduler's state (torchpoint's or torch::optim::StepLR's), which Accelerate's guide

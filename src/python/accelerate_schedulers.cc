@@ -46,10 +46,6 @@
 namespace torchpoint::detail {
 namespace {
 
-[[noreturn]] void incompatible(const std::string& where, const std::string& what) {
-  throw Error(ErrorCode::Incompatible, fmt::format("{}: {}", where, what));
-}
-
 std::string keys_of(const PyValue& dict) {
   std::vector<std::string> keys;
   for (const auto& [k, _] : dict.entries) {

@@ -544,14 +544,14 @@ using Context = std::unique_ptr<cairo_t, ContextDeleter>;
 
 // Where cairo's stream functions write. It must outlive the surface: destroying an unfinished
 // surface still writes.
-struct Sink {
+struct PlotSink {
   std::string bytes;
   std::exception_ptr error;  // what appending threw (bad_alloc); cairo only sees WRITE_ERROR
 };
 
 cairo_status_t append_to_sink(void* closure, const unsigned char* data,
                               unsigned int length) noexcept {
-  auto* sink = static_cast<Sink*>(closure);
+  auto* sink = static_cast<PlotSink*>(closure);
   try {
     sink->bytes.append(reinterpret_cast<const char*>(data), length);
     return CAIRO_STATUS_SUCCESS;
@@ -575,7 +575,7 @@ const char* format_name(PlotFormat format) {
 
 // Throws for a failed cairo call: the sink's own exception first, bad_alloc for cairo's
 // NO_MEMORY, else IOError with cairo's message.
-void check(cairo_status_t status, const Sink& sink, const std::string& title, PlotFormat format) {
+void check(cairo_status_t status, const PlotSink& sink, const std::string& title, PlotFormat format) {
   if (sink.error) std::rethrow_exception(sink.error);
   if (status == CAIRO_STATUS_SUCCESS) return;
   if (status == CAIRO_STATUS_NO_MEMORY) throw std::bad_alloc();
@@ -597,7 +597,7 @@ void set_font_options(cairo_t* cr) {
 }
 
 Surface open_surface(PlotFormat format, const Figure& figure, const std::string& title,
-                     Sink& sink) {
+                     PlotSink& sink) {
   switch (format) {
     case PlotFormat::Png:
       return Surface(cairo_image_surface_create(CAIRO_FORMAT_RGB24,
@@ -680,10 +680,10 @@ std::string render_records(const std::vector<PlotSeries>& series, const std::str
     Context measure(cairo_create(scratch.get()));
     set_font_options(measure.get());
     figure = lay_out(measure.get(), series, title);
-    check(cairo_status(measure.get()), Sink(), title, format);
+    check(cairo_status(measure.get()), PlotSink(), title, format);
   }
 
-  Sink sink;  // declared before the surface, which may write to it until destroyed
+  PlotSink sink;  // declared before the surface, which may write to it until destroyed
   Surface surface = open_surface(format, figure, title, sink);
   check(cairo_surface_status(surface.get()), sink, title, format);
   {
