@@ -5,16 +5,20 @@
 # state, Accelerator and Learner tests, the find_package consumer) and runs that code
 # sanitized. Then it replays the committed fuzz inputs (tests/data/fuzz/<target>/) and fuzzes
 # each parser for FUZZ_SECONDS (default 30) seconds. Any sanitizer report, crash, leak or
-# failed test fails the script. Safe to run again. With --build-only it stops once built.
-# Usage: scripts/sanitize.sh [--build-only]          FUZZ_SECONDS=600 scripts/sanitize.sh
+# failed test fails the script. Safe to run again. With --build-only it stops once built; with
+# --packages-only once its Debian packages are installed (.ci/run does that while the first leg
+# builds, so that the download and unpacking need not wait for the first leg's end).
+# Usage: scripts/sanitize.sh [--build-only|--packages-only]   FUZZ_SECONDS=600 scripts/sanitize.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 fuzz_seconds=${FUZZ_SECONDS:-30}
 build_only=false
+packages_only=false
 case ${1:-} in
   "") ;;
   --build-only) build_only=true ;;
-  *) echo "usage: scripts/sanitize.sh [--build-only]" >&2; exit 2 ;;
+  --packages-only) packages_only=true ;;
+  *) echo "usage: scripts/sanitize.sh [--build-only|--packages-only]" >&2; exit 2 ;;
 esac
 
 # clang 14 is Debian 12's; libFuzzer and the sanitizer runtimes come in libclang-rt-14-dev and
@@ -26,6 +30,9 @@ packages=(
   googletest libgtest-dev
 )
 scripts/ensure_packages.sh sanitize --no-install-recommends "${packages[@]}"
+if $packages_only; then
+  exit 0
+fi
 # The tests' judges (torch 2.13, safetensors) run from the project venv whatever LibTorch the
 # C++ side uses: files written under 1.13 are read by the Python of today.
 python=$(scripts/venv.sh)
@@ -60,11 +67,12 @@ logs=build-san/logs
 rm -rf "$logs" && mkdir -p "$logs"
 
 # run_all SLOTS "name|command"...: runs the jobs, SLOTS at a time, in the order given, and
-# reports every failure (its log's end). Each job's output goes to $logs/<name>.log.
+# reports every failure (its log's end) and each job's time. Each job's output goes to
+# $logs/<name>.log.
 run_all() {
   local slots=$1
   shift
-  local -A running=()
+  local -A running=() started=()
   local name cmd pid failed=0
   while (($# > 0 || ${#running[@]} > 0)); do
     while (($# > 0 && ${#running[@]} < slots)); do
@@ -72,8 +80,10 @@ run_all() {
       shift
       bash -c "$cmd" >"$logs/$name.log" 2>&1 &
       running[$!]=$name
+      started[$!]=$SECONDS
     done
     if wait -n -p pid; then
+      echo "sanitize: ${running[$pid]} passed in $((SECONDS - started[$pid])) s"
       unset "running[$pid]"
       continue
     fi
@@ -91,12 +101,13 @@ run_all() {
 # second to start, so the crash test kills 20 children instead of 100. Flipping each header
 # byte in turn (117 s sanitized) is left to the normal suite: the container fuzzer below runs
 # the same parser on more inputs under the sanitizers; so is the round trip of 100,000 JSON keys
-# (33 s sanitized), whose code the manifest fuzzer and the smaller key tests run. fault_test, the longest, runs in two
-# halves at once. The jobs run three at a time, the longest (in the last runs) first, so that
+# (33 s sanitized), whose code the manifest fuzzer and the smaller key tests run. fault_test, the longest, runs in three
+# parts. The jobs run three at a time, the longest (in the last runs) first, so that
 # neither core waits for a batch's slowest job.
 start=$SECONDS
 run_all 3 \
-  "fault_test_power_cuts|build-san/tests/fault_test --gtest_filter=PowerCuts.*:Incremental.*" \
+  "fault_test_incremental|build-san/tests/fault_test --gtest_filter=Incremental.*" \
+  "fault_test_power_cuts|build-san/tests/fault_test --gtest_filter=PowerCuts.*" \
   "crash_test|TORCHPOINT_CRASH_KILLS=20 build-san/tests/crash_test" \
   "fault_test|build-san/tests/fault_test --gtest_filter=-*errno28*:*errno122*:*errno27*:PowerCuts.*:Incremental.*" \
   "state_test|build-san/tests/state_test && build-san/tests/interop_test && build-san/tests/retention_test" \
