@@ -101,9 +101,9 @@ run_all() {
 # second to start, so the crash test kills 20 children instead of 100. Flipping each header
 # byte in turn (117 s sanitized) is left to the normal suite: the container fuzzer below runs
 # the same parser on more inputs under the sanitizers; so is the round trip of 100,000 JSON keys
-# (33 s sanitized), whose code the manifest fuzzer and the smaller key tests run. fault_test, the longest, runs in three
-# parts. The jobs run three at a time, the longest (in the last runs) first, so that
-# neither core waits for a batch's slowest job.
+# (33 s sanitized), whose code the manifest fuzzer and the smaller key tests run. fault_test, the
+# longest, runs in three parts. The jobs run three at a time, the longest (in the last runs)
+# first, so that neither core waits for a batch's slowest job.
 start=$SECONDS
 run_all 3 \
   "fault_test_incremental|build-san/tests/fault_test --gtest_filter=Incremental.*" \
