@@ -249,14 +249,31 @@ const std::vector<std::uint8_t>& io_buffer() {
   return buffer;
 }
 
-// This VM hands pages that stay free for ~2 s back to the host, and the next write into new
-// page-cache pages then runs up to 15x slower (perf-baseline.md, "idle effect"). Writing and
-// unlinking a same-size file first gives every case the same recycled pages, the machine's
-// best case, as the baseline did. Then every dirty page of the system is written back
-// (sync): a save's fsync otherwise waits for whatever the op before it left dirty (a buffered
-// peer's files, this file's own pages), which made one system's timings depend on which ran
-// before it.
+std::uint64_t round_up(std::uint64_t v, std::uint64_t to) { return (v + to - 1) / to * to; }
+
+// This VM hands pages that stay free for ~2 s back to the host (its balloon reports free
+// pages), and the next write into new page-cache pages then runs up to 15x slower
+// (perf-baseline.md, "idle effect"). New anonymous memory is no different: 256 MiB of 2 MiB
+// pages that had been handed back took 0.4-0.9 s to touch against 0.02 s for recycled ones,
+// so a load into new memory (load_file, load_file_into) was 0.15 s or 0.4-0.5 s depending on
+// what the op before it had freed. Before each case this touches and frees a same-size block
+// of memory (in huge pages where the kernel has them) and writes and unlinks a same-size
+// file, so that every case gets the same recycled pages, the machine's best case, as the
+// baseline did. Then every dirty page of the system is written back (sync): a save's fsync
+// otherwise waits for whatever the op before it left dirty (a buffered peer's files, this
+// file's own pages), which made one system's timings depend on which ran before it.
 void recycle_pages(const std::string& dir, std::uint64_t bytes) {
+  if (bytes > 0) {
+    const std::size_t size = round_up(bytes, torchpoint::kHugePageSize);
+    void* p = ::mmap(nullptr, size + torchpoint::kHugePageSize, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw_errno("mmap for recycling");
+    auto* aligned = reinterpret_cast<char*>(
+        round_up(reinterpret_cast<std::uintptr_t>(p), torchpoint::kHugePageSize));
+    torchpoint::advise_huge_pages(aligned, size);
+    std::memset(aligned, 0x5a, size);
+    ::munmap(p, size + torchpoint::kHugePageSize);
+  }
   std::string path = dir + "/recycle.tmp";
   int fd = open_or_throw(path, O_WRONLY | O_CREAT | O_TRUNC);
   const auto& buffer = io_buffer();
@@ -876,7 +893,8 @@ void run_async_bench(const Options& options, const std::vector<State>& states,
 // again into the tensors); and, for comparison, torchpoint::load_file into new tensors followed
 // by copy_; and "pread-twice", a cold pread then a pread from the page cache, the floor of a
 // load that verifies everything before it changes anything and allocates nothing of the file's
-// size (the frugal one). Cold: the page cache is dropped before each load. The order rotates.
+// size (the frugal one). Cold: the page cache is dropped before each load, and pages are
+// recycled as before the other sections' ops. The order rotates.
 // The peak memory each load_file_into takes beyond what the model already holds is measured in
 // separate, untimed runs.
 
@@ -930,17 +948,22 @@ IntoCase run_into_case(const State& s, const Options& options, const std::string
     }
     close_or_throw(fd, raw);
   };
+  auto recycle = [&] {
+    if (options.recycle) recycle_pages(dir, s.bytes);
+  };
   for (int rep = 0; rep < options.reps; ++rep) {
     for (int k = 0; k < 4; ++k) {
       switch ((rep + options.rotate + k) % 4) {
         case 0:
           drop_page_cache(raw);
+          recycle();
           c.pread_s.push_back(time_seconds(pread_all));
           if (rep == 0) check("pread");
           // A load that changes nothing until it has verified everything must have the bytes
           // twice: no such load can take less than a cold read and then a read from the page
           // cache of the same bytes (into the model's memory).
           drop_page_cache(raw);
+          recycle();
           c.twice_s.push_back(time_seconds([&] {
             pread_all();
             pread_all();
@@ -948,18 +971,21 @@ IntoCase run_into_case(const State& s, const Options& options, const std::string
           break;
         case 1:
           drop_page_cache(file);
+          recycle();
           c.into_s.push_back(time_seconds([&] { torchpoint::load_file_into(file, model); }));
           if (rep == 0) check("load_file_into");
           break;
         case 2: {
           FrugalLoads frugal;
           drop_page_cache(file);
+          recycle();
           c.frugal_s.push_back(time_seconds([&] { torchpoint::load_file_into(file, model); }));
           if (rep == 0) check("load_file_into (frugal)");
           break;
         }
         default:
           drop_page_cache(file);
+          recycle();
           c.copy_s.push_back(time_seconds([&] {
             Container loaded = torchpoint::load_file(file);
             at::NoGradGuard no_grad;

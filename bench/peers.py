@@ -53,10 +53,11 @@ fsyncs, by adding os.fsync of the files and directories the peer itself does not
 
 Loads are cold by default: before each timed load every file of the checkpoint gets fdatasync +
 posix_fadvise(POSIX_FADV_DONTNEED); --hot reads the files through once instead. As in the C++
-benchmark, a same-size file is written and unlinked before every timed op so that each one writes
-into recycled page-cache pages (this VM is much slower on fresh ones; --no-recycle skips that),
-then every dirty page of the system is written back (os.sync), so that no op's fsync waits for
-what the op before it left dirty.
+benchmark, as much new memory is touched and freed, and a same-size file written and unlinked,
+before every timed op, so that each one's new tensors and page-cache pages are recycled pages
+(this VM is much slower on fresh ones; --no-recycle skips that); then every dirty page of the
+system is written back (os.sync), so that no op's fsync waits for what the op before it left
+dirty.
 The order of the cases rotates each repetition; the first repetition checks that every load
 returned the saved tensors (else it stops with an error). peak_extra_mib is taken in a separate,
 untimed run of each op every repetition (max over repetitions), from a thread that reads
@@ -69,6 +70,7 @@ import copy
 import ctypes
 import gc
 import json
+import mmap
 import os
 import shutil
 import statistics
@@ -331,7 +333,17 @@ def read_through(path):
 
 
 def recycle_pages(directory, nbytes):
-    """Writes and unlinks a file of nbytes, as bench.cc does before each op (see the docstring)."""
+    """Touches and frees nbytes of new memory, then writes and unlinks a file of nbytes, as
+    bench.cc does before each op (see the docstring)."""
+    if nbytes > 0:
+        huge = 2 << 20
+        size = (nbytes + huge - 1) // huge * huge
+        with mmap.mmap(-1, size) as memory:
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                memory.madvise(mmap.MADV_HUGEPAGE)
+            block = b"\x5a" * huge
+            for at in range(0, size, huge):
+                memory[at:at + huge] = block
     path = os.path.join(directory, "recycle.tmp")
     chunk = b"\x5a" * IO_CHUNK
     with open(path, "wb", buffering=0) as f:
