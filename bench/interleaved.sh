@@ -5,9 +5,9 @@
 # repetition each, for ROUNDS rounds: C++ then Python on odd rounds, Python then C++ on even ones,
 # so that a change of the disk's speed during the run (this VM's varies 2x within a day) falls on
 # both sides alike. Both sides drop a file from the page cache the same way before each cold load
-# (fdatasync, then posix_fadvise(POSIX_FADV_DONTNEED) on every file of the checkpoint) and write
-# into recycled page-cache pages (a same-size file written and unlinked, then sync, before each
-# timed op). Each side runs one repetition per round, its order of the cases rotated by the round
+# (fdatasync, then posix_fadvise(POSIX_FADV_DONTNEED) on every file of the checkpoint) and use
+# recycled pages (as much new memory touched and freed, a same-size file written and unlinked,
+# then sync, before each timed op). Each side runs one repetition per round, its order of the cases rotated by the round
 # number (--rotate), so that no system is always the first of its process.
 # Prints every JSON record (with "round") to OUT.jsonl and the table of medians with min-max over
 # the rounds (bench/table.py) to OUT.md.
