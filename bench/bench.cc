@@ -22,8 +22,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>
@@ -893,15 +895,17 @@ void run_async_bench(const Options& options, const std::vector<State>& states,
 // again into the tensors); and, for comparison, torchpoint::load_file into new tensors followed
 // by copy_; and "pread-twice", a cold pread then a pread from the page cache, the floor of a
 // load that verifies everything before it changes anything and allocates nothing of the file's
-// size (the frugal one). Cold: the page cache is dropped before each load, and pages are
-// recycled as before the other sections' ops. The order rotates.
+// size (the frugal one); and "o_direct", a cold O_DIRECT read of the same bytes into memory
+// that exists, four requests in flight, the device's own limit (no page cache, no new memory).
+// Cold: the page cache is dropped before each load, and pages are recycled as before the other
+// sections' ops. The order rotates.
 // The peak memory each load_file_into takes beyond what the model already holds is measured in
 // separate, untimed runs.
 
 struct IntoCase {
   std::string state;
   std::uint64_t bytes = 0;
-  std::vector<double> pread_s, into_s, frugal_s, copy_s, twice_s;
+  std::vector<double> pread_s, into_s, frugal_s, copy_s, twice_s, direct_s;
   std::int64_t into_peak_extra = 0, frugal_peak_extra = 0;  // bytes, untimed runs
 };
 
@@ -912,6 +916,42 @@ class FrugalLoads {
   FrugalLoads() { ::setenv("TORCHPOINT_LOAD_MEMORY", "frugal", 1); }
   ~FrugalLoads() { ::unsetenv("TORCHPOINT_LOAD_MEMORY"); }
 };
+
+// Reads the first `size` bytes of `path` with O_DIRECT into `to` (4096-aligned, room for `size`
+// rounded up to 4096), four requests of 4 MiB in flight, as torchpoint's one read of a cold
+// file: what the device gives, with neither the page cache nor new memory in the way.
+void read_o_direct(const std::string& path, std::uint8_t* to, std::size_t size) {
+  constexpr std::size_t kPiece = std::size_t{4} << 20;
+  int fd = open_or_throw(path, O_RDONLY | O_DIRECT);
+  std::atomic<std::size_t> next{0};
+  std::mutex mutex;
+  std::exception_ptr failure;
+  auto run = [&] {
+    try {
+      for (;;) {
+        const std::size_t at = next.fetch_add(kPiece);
+        if (at >= size) return;
+        const std::size_t end = std::min(size, at + kPiece);
+        for (std::size_t done = at; done < end;) {
+          // The last request is rounded up to whole blocks and reads short at the file's end.
+          const std::size_t want = round_up(end - done, 4096);
+          ssize_t n = ::pread(fd, to + done, want, static_cast<off_t>(done));
+          if (n < 0 && errno == EINTR) continue;
+          if (n <= 0) throw_errno("O_DIRECT pread " + path);
+          done += static_cast<std::size_t>(n);
+        }
+      }
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (!failure) failure = std::current_exception();
+    }
+  };
+  std::vector<std::thread> readers;
+  for (int t = 0; t < 4; ++t) readers.emplace_back(run);
+  for (auto& t : readers) t.join();
+  close_or_throw(fd, path);
+  if (failure) std::rethrow_exception(failure);
+}
 
 IntoCase run_into_case(const State& s, const Options& options, const std::string& dir) {
   IntoCase c;
@@ -951,9 +991,26 @@ IntoCase run_into_case(const State& s, const Options& options, const std::string
   auto recycle = [&] {
     if (options.recycle) recycle_pages(dir, s.bytes);
   };
+  // Memory that exists for the O_DIRECT read: aligned, in huge pages, touched once.
+  const std::size_t direct_size = round_up(s.bytes, torchpoint::kHugePageSize);
+  std::unique_ptr<std::uint8_t, decltype(&std::free)> direct(
+      static_cast<std::uint8_t*>(std::aligned_alloc(torchpoint::kHugePageSize, direct_size)),
+      &std::free);
+  if (!direct) throw std::bad_alloc();
+  torchpoint::advise_huge_pages(direct.get(), direct_size);
+  std::memset(direct.get(), 0, direct_size);
   for (int rep = 0; rep < options.reps; ++rep) {
-    for (int k = 0; k < 4; ++k) {
-      switch ((rep + options.rotate + k) % 4) {
+    for (int k = 0; k < 5; ++k) {
+      switch ((rep + options.rotate + k) % 5) {
+        case 4:
+          drop_page_cache(raw);
+          recycle();
+          c.direct_s.push_back(time_seconds([&] { read_o_direct(raw, direct.get(), s.bytes); }));
+          if (rep == 0 && std::memcmp(direct.get(), s.data.tensors[0].second.data_ptr(),
+                                      s.data.tensors[0].second.nbytes()) != 0) {
+            throw std::runtime_error("L: the O_DIRECT read returned other bytes");
+          }
+          break;
         case 0:
           drop_page_cache(raw);
           recycle();
@@ -983,7 +1040,7 @@ IntoCase run_into_case(const State& s, const Options& options, const std::string
           if (rep == 0) check("load_file_into (frugal)");
           break;
         }
-        default:
+        case 3:
           drop_page_cache(file);
           recycle();
           c.copy_s.push_back(time_seconds([&] {
@@ -1042,7 +1099,8 @@ void run_into_bench(const Options& options, const std::vector<State>& states,
           {"torchpoint", &c.into_s},
           {"torchpoint-frugal", &c.frugal_s},
           {"torchpoint-copy", &c.copy_s},
-          {"pread-twice", &c.twice_s}}) {
+          {"pread-twice", &c.twice_s},
+          {"o_direct", &c.direct_s}}) {
       auto line = record(c.state, "load_into", system, *v, c.bytes, options.reps);
       if (system == std::string_view("torchpoint")) {
         line["peak_extra_mib"] = c.into_peak_extra / kMiB;
