@@ -253,6 +253,20 @@ const std::vector<std::uint8_t>& io_buffer() {
 
 std::uint64_t round_up(std::uint64_t v, std::uint64_t to) { return (v + to - 1) / to * to; }
 
+// `size` bytes (rounded up to whole 4 KiB blocks, one at least) on a 2 MiB boundary, in huge
+// pages where the kernel has them, filled with `fill`: faulted in before anything is timed, and
+// aligned as O_DIRECT needs.
+using TouchedBuffer = std::unique_ptr<std::uint8_t, decltype(&std::free)>;
+TouchedBuffer touched_buffer(std::size_t size, std::uint8_t fill) {
+  const std::size_t padded = std::max<std::size_t>(round_up(size, 4096), 4096);
+  void* raw = nullptr;
+  if (::posix_memalign(&raw, torchpoint::kHugePageSize, padded) != 0) throw std::bad_alloc();
+  TouchedBuffer out(static_cast<std::uint8_t*>(raw), &std::free);
+  torchpoint::advise_huge_pages(raw, padded);
+  std::memset(raw, fill, padded);
+  return out;
+}
+
 // This VM hands pages that stay free for ~2 s back to the host (its balloon reports free
 // pages), and the next write into new page-cache pages then runs up to 15x slower
 // (perf-baseline.md, "idle effect"). New anonymous memory is no different: 256 MiB of 2 MiB
@@ -265,17 +279,7 @@ std::uint64_t round_up(std::uint64_t v, std::uint64_t to) { return (v + to - 1) 
 // otherwise waits for whatever the op before it left dirty (a buffered peer's files, this
 // file's own pages), which made one system's timings depend on which ran before it.
 void recycle_pages(const std::string& dir, std::uint64_t bytes) {
-  if (bytes > 0) {
-    const std::size_t size = round_up(bytes, torchpoint::kHugePageSize);
-    void* p = ::mmap(nullptr, size + torchpoint::kHugePageSize, PROT_READ | PROT_WRITE,
-                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) throw_errno("mmap for recycling");
-    auto* aligned = reinterpret_cast<char*>(
-        round_up(reinterpret_cast<std::uintptr_t>(p), torchpoint::kHugePageSize));
-    torchpoint::advise_huge_pages(aligned, size);
-    std::memset(aligned, 0x5a, size);
-    ::munmap(p, size + torchpoint::kHugePageSize);
-  }
+  if (bytes > 0) touched_buffer(bytes, 0x5a);  // and freed at once
   std::string path = dir + "/recycle.tmp";
   int fd = open_or_throw(path, O_WRONLY | O_CREAT | O_TRUNC);
   const auto& buffer = io_buffer();
@@ -774,15 +778,9 @@ AsyncCase run_async_case(const State& s, const Options& options, const std::stri
   c.state = s.name;
   c.bytes = s.bytes;
   const std::size_t padded = (s.bytes + 4095) / 4096 * 4096;
-  void* raw = nullptr;
-  if (::posix_memalign(&raw, torchpoint::kHugePageSize, std::max<std::size_t>(padded, 4096)) != 0) {
-    throw std::runtime_error("A: posix_memalign failed");
-  }
-  std::unique_ptr<void, decltype(&std::free)> buffer(raw, &std::free);
-  auto* bytes = static_cast<std::uint8_t*>(raw);
   // Huge pages, as torchpoint's own write buffers have: the disk's limit, not the page pinning's.
-  torchpoint::advise_huge_pages(bytes, padded);
-  std::memset(bytes, 0, padded);  // faulted in, untimed
+  TouchedBuffer buffer = touched_buffer(s.bytes, 0);
+  std::uint8_t* bytes = buffer.get();
   const std::string file = dir + "/" + s.name + ".async.safetensors";
   const std::string direct = dir + "/" + s.name + ".o_direct.bin";
   auto recycle = [&] {
@@ -991,14 +989,7 @@ IntoCase run_into_case(const State& s, const Options& options, const std::string
   auto recycle = [&] {
     if (options.recycle) recycle_pages(dir, s.bytes);
   };
-  // Memory that exists for the O_DIRECT read: aligned, in huge pages, touched once.
-  const std::size_t direct_size = round_up(s.bytes, torchpoint::kHugePageSize);
-  std::unique_ptr<std::uint8_t, decltype(&std::free)> direct(
-      static_cast<std::uint8_t*>(std::aligned_alloc(torchpoint::kHugePageSize, direct_size)),
-      &std::free);
-  if (!direct) throw std::bad_alloc();
-  torchpoint::advise_huge_pages(direct.get(), direct_size);
-  std::memset(direct.get(), 0, direct_size);
+  TouchedBuffer direct = touched_buffer(s.bytes, 0);  // memory that exists, for the O_DIRECT read
   for (int rep = 0; rep < options.reps; ++rep) {
     for (int k = 0; k < 5; ++k) {
       switch ((rep + options.rotate + k) % 5) {
@@ -1331,14 +1322,7 @@ void run_incremental_bench(const Options& options, const std::vector<State>& sta
     }
     const std::size_t changed = static_cast<std::size_t>(median(written[1]));
     const std::size_t padded = (changed + 4095) / 4096 * 4096;
-    void* raw = nullptr;
-    if (::posix_memalign(&raw, torchpoint::kHugePageSize, std::max<std::size_t>(padded, 4096)) !=
-        0) {
-      throw std::bad_alloc();
-    }
-    std::unique_ptr<void, decltype(&std::free)> buffer(raw, &std::free);
-    torchpoint::advise_huge_pages(raw, padded);
-    std::memset(raw, 0x5a, padded);
+    TouchedBuffer buffer = touched_buffer(changed, 0x5a);
     std::uint64_t sink = 0;
     for (int rep = 0; rep < options.reps; ++rep) {
       hash_s.push_back(time_seconds([&] {
@@ -1359,7 +1343,7 @@ void run_incremental_bench(const Options& options, const std::vector<State>& sta
       }));
       const std::string path = dir + "/s4-o-direct";
       write_s.push_back(time_seconds(
-          [&] { write_o_direct(path, static_cast<const std::uint8_t*>(raw), padded); }));
+          [&] { write_o_direct(path, buffer.get(), padded); }));
       std::filesystem::remove(path);
     }
     fmt::print(table, "  (the backbone's {:.1f} MiB hashed: {:.3f} s on two threads; XXH3 {})\n",
